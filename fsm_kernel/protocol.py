@@ -1,0 +1,405 @@
+"""Core data types every layer speaks: messages, tool calls, completions, events, and the
+Protocols the kernel's collaborators implement. Imports only fsm_kernel.errors.
+
+All value types are frozen dataclasses with `to_dict()` / `from_dict()` for our own JSON (the
+event log). The OpenAI wire format lives in fsm_kernel.agent.wire, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ChatModel",
+    "Clock",
+    "Completion",
+    "Event",
+    "EventStore",
+    "EventType",
+    "Message",
+    "Role",
+    "RunSummary",
+    "SystemClock",
+    "Tool",
+    "ToolCall",
+    "ToolExecutor",
+    "ToolResult",
+    "Usage",
+    "new_id",
+]
+
+
+def new_id() -> str:
+    """A UUIDv7 string: time-ordered, so ids sort by creation time (RFC 9562)."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(secrets.token_bytes(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80
+    value |= 0x7 << 76  # version 7
+    value |= ((rand >> 64) & 0xFFF) << 64  # rand_a, 12 bits
+    value |= 0b10 << 62  # RFC 4122 variant
+    value |= rand & ((1 << 62) - 1)  # rand_b, 62 bits
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class Role(StrEnum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCall:
+    """One tool call requested by the model."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Parsed arguments; empty when they could not be parsed (see `arguments_error`)."""
+    raw_arguments: str | None = None
+    """The arguments exactly as the server sent them, when they were not valid JSON."""
+    arguments_error: str | None = None
+    """Why the arguments could not be parsed; a reply with such a call is malformed output."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "name": self.name, "arguments": self.arguments}
+        if self.raw_arguments is not None:
+            d["raw_arguments"] = self.raw_arguments
+        if self.arguments_error is not None:
+            d["arguments_error"] = self.arguments_error
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ToolCall:
+        return cls(
+            id=d["id"],
+            name=d["name"],
+            arguments=dict(d.get("arguments") or {}),
+            raw_arguments=d.get("raw_arguments"),
+            arguments_error=d.get("arguments_error"),
+        )
+
+    def arguments_json(self) -> str:
+        """Arguments as the canonical JSON string (sorted keys), for the wire and for
+        comparing calls."""
+        if self.raw_arguments is not None and self.arguments_error is not None:
+            return self.raw_arguments
+        return json.dumps(self.arguments, sort_keys=True, ensure_ascii=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """One conversation message (the session's unit)."""
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    """For role=tool: the id of the call this message answers."""
+    name: str | None = None
+    """For role=tool: the tool's name (some servers want it)."""
+    reasoning: str | None = None
+    """Model reasoning (`<think>` text or a `reasoning` field): recorded, never sent back as the
+    answer."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role.value, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [tc.to_dict() for tc in self.tool_calls]
+        for key in ("tool_call_id", "name", "reasoning"):
+            value = getattr(self, key)
+            if value is not None:
+                d[key] = value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        return cls(
+            role=Role(d["role"]),
+            content=d.get("content") or "",
+            tool_calls=tuple(ToolCall.from_dict(tc) for tc in d.get("tool_calls") or ()),
+            tool_call_id=d.get("tool_call_id"),
+            name=d.get("name"),
+            reasoning=d.get("reasoning"),
+        )
+
+    @classmethod
+    def system(cls, content: str) -> Message:
+        return cls(role=Role.SYSTEM, content=content)
+
+    @classmethod
+    def user(cls, content: str) -> Message:
+        return cls(role=Role.USER, content=content)
+
+    @classmethod
+    def assistant(cls, content: str = "", tool_calls: Sequence[ToolCall] = ()) -> Message:
+        return cls(role=Role.ASSISTANT, content=content, tool_calls=tuple(tool_calls))
+
+    @classmethod
+    def tool(cls, call: ToolCall, result: ToolResult) -> Message:
+        return cls(role=Role.TOOL, content=result.content, tool_call_id=call.id, name=call.name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tool:
+    """A tool as offered to the model: name, description, JSON-schema parameters."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolResult:
+    """What a tool call produced. Errors are results too: they go back to the model."""
+
+    content: str
+    is_error: bool = False
+    error_type: str | None = None
+    """For errors: which kind (ToolNotFoundError, ToolArgumentsError, ...)."""
+    fatal: bool = False
+    """The tool failed in a way the run cannot recover from (ends the run as fatal_tool_error)."""
+    truncated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"content": self.content, "is_error": self.is_error}
+        if self.error_type:
+            d["error_type"] = self.error_type
+        if self.fatal:
+            d["fatal"] = True
+        if self.truncated:
+            d["truncated"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ToolResult:
+        return cls(
+            content=d.get("content", ""),
+            is_error=bool(d.get("is_error")),
+            error_type=d.get("error_type"),
+            fatal=bool(d.get("fatal")),
+            truncated=bool(d.get("truncated")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens,
+            total_tokens=self.total_tokens + other.total_tokens,
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Usage:
+        d = d or {}
+        return cls(
+            prompt_tokens=int(d.get("prompt_tokens") or 0),
+            completion_tokens=int(d.get("completion_tokens") or 0),
+            total_tokens=int(d.get("total_tokens") or 0),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One model answer, normalised."""
+
+    message: Message
+    """The assistant message (content without reasoning, tool calls with unique ids)."""
+    finish_reason: str = "stop"
+    """One of stop, tool_calls, length, content_filter, unknown."""
+    usage: Usage = field(default_factory=Usage)
+    model: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "message": self.message.to_dict(),
+            "finish_reason": self.finish_reason,
+            "usage": self.usage.to_dict(),
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Completion:
+        return cls(
+            message=Message.from_dict(d["message"]),
+            finish_reason=d.get("finish_reason", "stop"),
+            usage=Usage.from_dict(d.get("usage")),
+            model=d.get("model", ""),
+        )
+
+
+class EventType(StrEnum):
+    """Stored event types: a schema. Never rename a value."""
+
+    RUN_STARTED = "run.started"
+    RUN_RESUMED = "run.resumed"
+    STATE_ENTERED = "state.entered"
+    TRANSITION_TAKEN = "transition.taken"
+    MODEL_REQUESTED = "model.requested"
+    MODEL_RESPONDED = "model.responded"
+    MODEL_FAILED = "model.failed"
+    TOOL_STARTED = "tool.started"
+    TOOL_FINISHED = "tool.finished"
+    ITERATION_COMPLETED = "iteration.completed"
+    RUN_TERMINATED = "run.terminated"
+
+
+EVENT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One thing that happened in a run; the log is the append-only list of these."""
+
+    run_id: str
+    seq: int
+    type: EventType
+    timestamp: datetime
+    iteration: int = 0
+    state: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    version: int = EVENT_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.version,
+            "run_id": self.run_id,
+            "seq": self.seq,
+            "type": self.type.value,
+            "ts": self.timestamp.isoformat(),
+            "iteration": self.iteration,
+            "state": self.state,
+            "data": self.data,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(
+            version=int(d.get("v", EVENT_SCHEMA_VERSION)),
+            run_id=d["run_id"],
+            seq=int(d["seq"]),
+            type=EventType(d["type"]),
+            timestamp=datetime.fromisoformat(d["ts"]),
+            iteration=int(d.get("iteration", 0)),
+            state=d.get("state"),
+            data=dict(d.get("data") or {}),
+        )
+
+    def with_seq(self, seq: int) -> Event:
+        return replace(self, seq=seq)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """One row of `fsm-kernel runs list`, derived from a run's events."""
+
+    run_id: str
+    workflow: str
+    started_at: datetime
+    goal: str
+    iterations: int = 0
+    termination_reason: str | None = None
+    """None while the run is in flight (or was killed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "started_at": self.started_at.isoformat(),
+            "goal": self.goal,
+            "iterations": self.iterations,
+            "termination_reason": self.termination_reason,
+        }
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """Anything that answers a message list: the HTTP client, or a test double."""
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+        """Ask the model. Raises AgentError when no usable answer could be had."""
+        ...
+
+
+@runtime_checkable
+class ToolExecutor(Protocol):
+    """The tool registry as the kernel sees it."""
+
+    def list_tools(self, names: Sequence[str] | None = None) -> list[Tool]:
+        """The tools to offer (all, or just `names`, in that order)."""
+        ...
+
+    async def execute(self, call: ToolCall) -> ToolResult:
+        """Run one call. Never raises for tool problems: they come back as error results."""
+        ...
+
+
+@runtime_checkable
+class EventStore(Protocol):
+    """Append-only event log keyed (run_id, seq)."""
+
+    def append(self, events: Sequence[Event]) -> None:
+        """Append atomically and durably. StoreConflictError if a (run_id, seq) exists."""
+        ...
+
+    def read(self, run_id: str) -> list[Event]:
+        """Every event of a run in seq order; empty list for an unknown run."""
+        ...
+
+    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
+        """Most recent runs first."""
+        ...
+
+    def find_run(self, prefix: str) -> str:
+        """The full run id for an id or a unique prefix of one; RunNotFoundError otherwise."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Clock(Protocol):
+    def now(self) -> datetime:
+        """Timezone-aware UTC wall time."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds from an arbitrary point, for durations and timeouts."""
+        ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+

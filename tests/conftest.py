@@ -1,0 +1,18 @@
+"""Shared test setup: no test may reach a real model server or the internet."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["tests.pg"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # A dead port: a test that forgot its fake server fails fast instead of calling a provider.
+    monkeypatch.setenv("FSM_KERNEL_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("FSM_KERNEL_MAX_RETRIES", "0")
+    for name in ("FSM_KERNEL_MODEL", "FSM_KERNEL_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    store = tmp_path_factory.mktemp("store") / "runs.db"
+    monkeypatch.setenv("FSM_KERNEL_STORE", str(store))
