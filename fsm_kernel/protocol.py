@@ -260,6 +260,7 @@ class EventType(StrEnum):
     RUN_STARTED = "run.started"
     RUN_RESUMED = "run.resumed"
     STATE_ENTERED = "state.entered"
+    MESSAGE_ADDED = "message.added"
     TRANSITION_TAKEN = "transition.taken"
     MODEL_REQUESTED = "model.requested"
     MODEL_RESPONDED = "model.responded"

@@ -1,0 +1,274 @@
+"""The built-in vocabulary of actions and guards, and resolution of `package.module:function`
+references to users' own.
+
+An action is `async def action(ctx: RunContext) -> None` (a plain function works too); it runs
+when its state is entered. A guard is `def guard(ctx: RunContext) -> bool`, pure and fast: it
+decides which transition fires. Actions raise AgentError when the model server fails; any other
+exception ends the run with reason `error`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fsm_kernel.errors import FsmKernelError
+from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
+from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+
+__all__ = [
+    "BUILTIN_ACTIONS",
+    "BUILTIN_GUARDS",
+    "ActionDef",
+    "GuardFn",
+    "RefError",
+    "resolve_action",
+    "resolve_guard",
+    "resolve_ref",
+]
+
+DONE_TOOL = "done"
+GuardFn = Callable[[RunContext], bool]
+ActionFn = Callable[[RunContext], Awaitable[None] | None]
+
+
+class RefError(FsmKernelError):
+    """A `package.module:function` reference that cannot be imported."""
+
+
+@dataclass(frozen=True)
+class ActionDef:
+    """A resolved action: the callable and whether it calls the model (counts an iteration)."""
+
+    name: str
+    fn: ActionFn
+    calls_model: bool = False
+
+    async def __call__(self, ctx: RunContext) -> None:
+        result = self.fn(ctx)
+        if inspect.isawaitable(result):
+            await result
+
+
+# --- actions -----------------------------------------------------------------------------
+
+
+async def session_observe(ctx: RunContext) -> None:
+    """Start an iteration: forget the previous step's tool results."""
+    ctx.last_results = []
+
+
+def _malformed_reason(completion: Completion, offered: set[str]) -> str | None:
+    for call in completion.message.tool_calls:
+        if call.arguments_error is not None:
+            return f"tool call {call.name!r} has arguments that are not JSON: {call.arguments_error}"
+        if call.name not in offered:
+            known = ", ".join(sorted(offered)) or "none"
+            return f"tool {call.name!r} was not offered (offered: {known})"
+    return None
+
+
+def _refuse_malformed(ctx: RunContext, completion: Completion, reason: str) -> None:
+    """Answer every call of a malformed reply with an error, so the model can retry."""
+    for call in completion.message.tool_calls:
+        result = ToolResult(
+            content=f"error: your reply was not executed: {reason}. Reply again with valid "
+            "tool calls, or answer without tools.",
+            is_error=True,
+            error_type="MalformedOutput",
+        )
+        _add_tool_result(ctx, call, result, duration_ms=0.0, malformed=True)
+
+
+async def agent_think(ctx: RunContext) -> None:
+    """Ask the model, with the conversation so far and the tools this state offers."""
+    if ctx.model is None:
+        raise FsmKernelError("agent.think needs a model, but the run has none")
+    if ctx.state_spec.prompt:
+        message = Message.user(ctx.state_spec.prompt)
+        ctx.session.add(message)
+        ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+    offered = ctx.offered_tools()
+    messages = ctx.messages_for_model()
+    ctx.iteration += 1
+    ctx.record(
+        EventType.MODEL_REQUESTED,
+        {"messages": len(messages), "tools": [t.name for t in offered]},
+    )
+    started = ctx.clock.monotonic()
+    completion = await ctx.model.complete(messages, offered)
+    latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+    ctx.record(
+        EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}
+    )
+    apply_completion(ctx, completion, {t.name for t in offered})
+
+
+def apply_completion(ctx: RunContext, completion: Completion, offered: set[str]) -> None:
+    """Fold a model answer into the context (shared by live runs and resume)."""
+    ctx.last_completion = completion
+    ctx.usage = ctx.usage + completion.usage
+    ctx.session.add(completion.message)
+    ctx.malformed_reason = _malformed_reason(completion, offered)
+    if ctx.malformed_reason is not None:
+        ctx.malformed_streak += 1
+        _refuse_malformed(ctx, completion, ctx.malformed_reason)
+        return
+    ctx.malformed_streak = 0
+    if not completion.message.tool_calls:
+        ctx.answer = completion.message.content
+
+
+def _add_tool_result(
+    ctx: RunContext, call: ToolCall, result: ToolResult, *, duration_ms: float, malformed: bool
+) -> None:
+    data: dict[str, Any] = {
+        "call": call.to_dict(),
+        "result": result.to_dict(),
+        "duration_ms": duration_ms,
+    }
+    if malformed:
+        data["malformed"] = True
+    ctx.record(EventType.TOOL_FINISHED, data)
+    ctx.session.add(Message.tool(call, result))
+    record = ToolCallRecord(
+        iteration=ctx.iteration, call=call, result=result, duration_ms=duration_ms
+    )
+    ctx.tool_calls.append(record)
+    ctx.last_results.append(record)
+
+
+async def tools_execute(ctx: RunContext) -> None:
+    """Run the tool calls of the last model reply, in order; results go back to the model."""
+    if ctx.tools is None or ctx.last_completion is None:
+        return
+    ctx.last_results = []
+    for call in ctx.last_completion.message.tool_calls:
+        ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
+        started = ctx.clock.monotonic()
+        result = await ctx.tools.execute(call)
+        duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+        _add_tool_result(ctx, call, result, duration_ms=duration_ms, malformed=False)
+    update_tool_counters(ctx)
+
+
+def update_tool_counters(ctx: RunContext) -> None:
+    """Failure streak, repeated calls, done and fatal flags from the last results."""
+    for record in ctx.last_results:
+        call, result = record.call, record.result
+        ctx.failure_streak = ctx.failure_streak + 1 if result.is_error else 0
+        key = json.dumps([call.name, call.arguments], sort_keys=True)
+        ctx.repeat_count = ctx.repeat_count + 1 if key == ctx.last_call_key else 1
+        ctx.last_call_key = key
+        if result.fatal and ctx.fatal_error is None:
+            ctx.fatal_error = f"{call.name}: {result.content}"
+        if call.name == DONE_TOOL and not result.is_error:
+            ctx.done_answer = str(call.arguments.get("answer", result.content))
+            ctx.answer = ctx.done_answer
+
+
+async def kernel_evaluate(ctx: RunContext) -> None:
+    """Summarise where the run stands; the guards on the way out decide what happens next."""
+    failed = sum(1 for r in ctx.last_results if r.result.is_error)
+    limits = ctx.limits
+    cap = limits.max_iterations or "∞"
+    ctx.summary = (
+        f"iteration {ctx.iteration}/{cap}; {len(ctx.last_results)} tool call(s), {failed} failed; "
+        f"failure streak {ctx.failure_streak}/{limits.max_tool_failures}; "
+        f"repeats {ctx.repeat_count}/{limits.no_progress_repeats}"
+    )
+
+
+BUILTIN_ACTIONS: dict[str, ActionDef] = {
+    "session.observe": ActionDef("session.observe", session_observe),
+    "agent.think": ActionDef("agent.think", agent_think, calls_model=True),
+    "tools.execute": ActionDef("tools.execute", tools_execute),
+    "kernel.evaluate": ActionDef("kernel.evaluate", kernel_evaluate),
+}
+
+
+# --- guards ------------------------------------------------------------------------------
+
+
+def has_tool_calls(ctx: RunContext) -> bool:
+    """The last reply asked for tools (and was well formed)."""
+    c = ctx.last_completion
+    return c is not None and bool(c.message.tool_calls) and ctx.malformed_reason is None
+
+
+def has_answer(ctx: RunContext) -> bool:
+    """The last reply is text without tool calls."""
+    c = ctx.last_completion
+    return c is not None and not c.message.tool_calls and bool(c.message.content.strip())
+
+
+def critique_passed(ctx: RunContext) -> bool:
+    """The last reply starts with PASS (used by critique steps)."""
+    c = ctx.last_completion
+    words = c.message.content.strip().split() if c is not None else []
+    return bool(words) and words[0].strip(".:!,*").upper() in {"PASS", "PASSED", "APPROVED"}
+
+
+BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
+    "has_tool_calls": has_tool_calls,
+    "has_answer": has_answer,
+    "malformed_output": lambda ctx: ctx.malformed_reason is not None,
+    "retries_exhausted": lambda ctx: ctx.malformed_streak >= ctx.limits.max_malformed_outputs,
+    "done_called": lambda ctx: ctx.done_answer is not None,
+    "fatal_tool_error": lambda ctx: ctx.fatal_error is not None,
+    "iteration_limit": lambda ctx: bool(ctx.limits.max_iterations)
+    and ctx.iteration >= ctx.limits.max_iterations,
+    "no_progress": lambda ctx: ctx.repeat_count >= ctx.limits.no_progress_repeats,
+    "tool_failures": lambda ctx: ctx.failure_streak >= ctx.limits.max_tool_failures,
+    "tool_failed": lambda ctx: any(r.result.is_error for r in ctx.last_results),
+    "critique_passed": critique_passed,
+}
+
+
+# --- references ---------------------------------------------------------------------------
+
+
+def resolve_ref(ref: str) -> Any:
+    """Import `package.module:attribute`."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise RefError(f"{ref!r} is not a 'package.module:function' reference")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RefError(f"cannot import module {module_name!r} for {ref!r}: {exc}") from None
+    try:
+        target = module
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except AttributeError:
+        raise RefError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(target):
+        raise RefError(f"{ref!r} is not callable")
+    return target
+
+
+def resolve_action(name: str) -> ActionDef:
+    """A built-in action by name, or a user's by reference."""
+    if name in BUILTIN_ACTIONS:
+        return BUILTIN_ACTIONS[name]
+    if ":" not in name:
+        known = ", ".join(sorted(BUILTIN_ACTIONS))
+        raise RefError(f"unknown action {name!r} (built-in: {known}; or package.module:function)")
+    fn = resolve_ref(name)
+    return ActionDef(name, fn, calls_model=bool(getattr(fn, "calls_model", False)))
+
+
+def resolve_guard(name: str) -> Callable[[RunContext], bool]:
+    """A built-in guard by name, or a user's by reference."""
+    if name in BUILTIN_GUARDS:
+        return BUILTIN_GUARDS[name]
+    if ":" not in name:
+        known = ", ".join(sorted(BUILTIN_GUARDS))
+        raise RefError(f"unknown guard {name!r} (built-in: {known}; or package.module:function)")
+    fn: Callable[[RunContext], bool] = resolve_ref(name)
+    return fn

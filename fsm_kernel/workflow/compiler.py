@@ -1,0 +1,167 @@
+"""WorkflowSpec -> python-statemachine class, compiled once per workflow content.
+
+The ONLY module that imports statemachine. The machine decides; it does not act: every
+transition fires on the one event `next`, guards read the RunContext (the machine's model), and
+the kernel runs each state's action before sending `next`. So the machine stays synchronous,
+pure and cheap to test, and the kernel owns async work, time and cancellation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from statemachine import StateChart
+from statemachine.exceptions import StateMachineError, TransitionNotAllowed
+from statemachine.io import create_machine_class_from_definition
+
+from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
+from fsm_kernel.workflow.actions import ActionDef, resolve_action, resolve_guard
+from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.spec import TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.validate import EVENT_NAME
+
+__all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "compile_workflow"]
+
+
+@dataclass(frozen=True)
+class FiredTransition:
+    """The transition a step took."""
+
+    index: int
+    """Its position in the workflow's `transitions` list."""
+    source: str
+    target: str
+    guard: str
+    """The guard label ("has_tool_calls and not retries_exhausted"), "" when unguarded."""
+    reason: str | None
+    final: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "source": self.source,
+            "target": self.target,
+            "guard": self.guard,
+            "reason": self.reason,
+        }
+
+
+class Machine:
+    """One run's state machine: where it is, and one `step()` at a time."""
+
+    def __init__(self, compiled: CompiledWorkflow, ctx: RunContext, *, start: str | None) -> None:
+        self.compiled = compiled
+        self.ctx = ctx
+        # The library keeps the configuration on the model (ctx.state); clear it so a context
+        # reused across machines (tests, resume) starts where it is told to.
+        ctx.__dict__.pop("state", None)
+        self._sm = compiled.machine_class(model=ctx, start_value=start or compiled.spec.initial)
+        ctx.current_state = self.state
+
+    @property
+    def state(self) -> str:
+        return str(next(iter(self._sm.configuration_values)))
+
+    @property
+    def is_final(self) -> bool:
+        return bool(self._sm.is_terminated)
+
+    def step(self) -> FiredTransition:
+        """Fire the first transition out of the current state whose guards pass."""
+        source = self.state
+        self.ctx.scratch.pop("_fired", None)
+        try:
+            self._sm.send(EVENT_NAME)
+        except TransitionNotAllowed:
+            raise NoTransitionError(
+                f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id
+            ) from None
+        index = self.ctx.scratch.pop("_fired")
+        t = self.compiled.spec.transitions[index]
+        self.ctx.current_state = self.state
+        return FiredTransition(index, t.source, t.target, t.label(), t.reason, self.is_final)
+
+
+class CompiledWorkflow:
+    """A workflow ready to run: its machine class and its resolved actions."""
+
+    def __init__(self, spec: WorkflowSpec) -> None:
+        self.spec = spec
+        self.actions: dict[str, ActionDef] = {
+            sid: resolve_action(s.action) for sid, s in spec.states.items() if s.action
+        }
+        self.machine_class = _build_class(spec)
+
+    def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
+        """A machine for one run, at `start` (default: the initial state)."""
+        if start is not None and start not in self.spec.states:
+            raise NoTransitionError(f"unknown state {start!r}")
+        return Machine(self, ctx, start=start)
+
+
+def _guard_fn(name: str) -> Callable[[RunContext], bool]:
+    fn = resolve_guard(name)
+
+    def guard(model: RunContext) -> bool:
+        return bool(fn(model))
+
+    guard.__name__ = name.replace(".", "_").replace(":", "_")
+    return guard
+
+
+def _mark(index: int) -> Callable[[RunContext], None]:
+    def mark_fired(model: RunContext) -> None:
+        model.scratch["_fired"] = index
+
+    return mark_fired
+
+
+def _transition_def(index: int, t: TransitionSpec) -> dict[str, Any]:
+    td: dict[str, Any] = {"event": EVENT_NAME, "target": t.target, "on": _mark(index)}
+    if t.guard:
+        td["cond"] = [_guard_fn(g) for g in t.guard]
+    if t.unless:
+        td["unless"] = [_guard_fn(g) for g in t.unless]
+    return td
+
+
+def _build_class(spec: WorkflowSpec) -> type[StateChart]:
+    states: dict[str, Any] = {
+        sid: {"initial": sid == spec.initial, "final": s.final, "transitions": []}
+        for sid, s in spec.states.items()
+    }
+    for i, t in enumerate(spec.transitions):
+        states[t.source]["transitions"].append(_transition_def(i, t))
+    for sdef in states.values():
+        if not sdef["transitions"]:
+            del sdef["transitions"]
+    try:
+        cls: type[StateChart] = create_machine_class_from_definition(
+            _class_name(spec),
+            states=states,
+            catch_errors_as_events=False,  # a raising guard must reach the kernel, not vanish
+            allow_event_without_transition=False,
+        )
+    except (StateMachineError, KeyError, TypeError) as exc:
+        raise WorkflowValidationError(f"cannot compile workflow: {exc}", location=spec.path) from exc
+    return cls
+
+
+def _class_name(spec: WorkflowSpec) -> str:
+    base = "".join(part.capitalize() for part in spec.name.replace("-", "_").split("_"))
+    return f"{base or 'Workflow'}_{spec.content_hash[:12] or 'inline'}"
+
+
+_CACHE: dict[tuple[str, str, str], CompiledWorkflow] = {}
+
+
+def compile_workflow(spec: WorkflowSpec) -> CompiledWorkflow:
+    """Compile once per (name, path, content): python-statemachine registers every class it
+    creates globally, so recompiling per run would leak."""
+    key = (spec.name, spec.path, spec.content_hash or spec.model_dump_json())
+    compiled = _CACHE.get(key)
+    if compiled is None:
+        compiled = _CACHE[key] = CompiledWorkflow(spec)
+    return compiled

@@ -1,0 +1,180 @@
+"""The workflow file's schema (pydantic) and the source locations of its nodes.
+
+Pure data: no YAML parsing here (loader.py) and no python-statemachine (compiler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
+
+__all__ = [
+    "TERMINATION_REASONS",
+    "AgentBlock",
+    "Limits",
+    "SourceLocation",
+    "StateSpec",
+    "TransitionSpec",
+    "WorkflowSpec",
+]
+
+TERMINATION_REASONS: dict[str, str] = {
+    "final_answer": "the model answered without calling a tool",
+    "done": "the model called the done tool",
+    "max_iterations": "the iteration cap was reached",
+    "fatal_tool_error": "a tool failed in a way the run cannot recover from",
+    "no_progress": "the same tool call with the same arguments repeated too often",
+    "tool_failures": "too many tool failures in a row",
+    "malformed_output": "too many malformed model replies in a row",
+    "agent_error": "the model server failed after retries",
+    "cancelled": "the run was cancelled (Ctrl-C)",
+    "timeout": "the run's wall-clock timeout expired",
+    "error": "an action raised (a bug)",
+}
+"""Every reason a run may end for, with what it means."""
+
+SUCCESS_REASONS = frozenset({"final_answer", "done"})
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """Where a node is in a file; 1-based line and column."""
+
+    path: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}"
+
+
+def _as_list(value: Any) -> Any:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+NameList = Annotated[list[str], BeforeValidator(_as_list)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AgentBlock(_Model):
+    """Model server settings; environment variables and flags override these."""
+
+    model: str | None = None
+    base_url: str | None = None
+    temperature: float | None = None
+    request_timeout: float | None = Field(default=None, gt=0)
+    max_retries: int | None = Field(default=None, ge=0)
+
+
+class Limits(_Model):
+    """Caps the kernel enforces in code, whatever the transitions say."""
+
+    max_iterations: int = Field(default=10, ge=0, description="Model calls per run; 0 = unlimited")
+    max_transitions: int = Field(
+        default=1000, ge=1, description="Transitions per run, so a guard loop still ends"
+    )
+    timeout_seconds: float = Field(default=600.0, ge=0, description="Wall clock; 0 = none")
+    max_tool_failures: int = Field(default=3, ge=1, description="Failed tool calls in a row")
+    no_progress_repeats: int = Field(
+        default=3, ge=2, description="Same tool, same arguments, this many times in a row"
+    )
+    max_malformed_outputs: int = Field(
+        default=3, ge=1, description="Malformed model replies in a row"
+    )
+
+
+class StateSpec(_Model):
+    """One state of the loop: the action it runs when entered."""
+
+    action: str | None = Field(
+        default=None, description="Built-in action (agent.think) or package.module:function"
+    )
+    description: str = ""
+    final: bool = False
+    prompt: str | None = Field(
+        default=None,
+        description="For agent actions: an instruction added as a user message before the call",
+    )
+    tools: NameList | None = Field(
+        default=None, description="For agent actions: the tools offered here (default: all)"
+    )
+
+
+class TransitionSpec(_Model):
+    """An edge; out of one state, edges are tried in file order, the first that passes fires."""
+
+    source: str
+    target: str
+    guard: NameList = Field(default_factory=list, description="All must be true")
+    unless: NameList = Field(default_factory=list, description="All must be false")
+    reason: str | None = Field(
+        default=None, description="Termination reason; required on edges into final states"
+    )
+    description: str = ""
+
+    @property
+    def is_guarded(self) -> bool:
+        return bool(self.guard or self.unless)
+
+    def label(self) -> str:
+        parts = list(self.guard) + [f"not {name}" for name in self.unless]
+        return " and ".join(parts)
+
+
+class WorkflowSpec(_Model):
+    """A whole workflow file."""
+
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$")
+    description: str = ""
+    agent: AgentBlock = Field(default_factory=AgentBlock)
+    system_prompt: str = "You are a careful agent. Use tools instead of guessing."
+    memory: str | None = Field(
+        default=None, description="Folder of *.md files appended to the system prompt"
+    )
+    tools: NameList = Field(
+        default_factory=list, description="Built-in tool names or package.module:function"
+    )
+    limits: Limits = Field(default_factory=Limits)
+    initial: str
+    states: dict[str, StateSpec]
+    transitions: list[TransitionSpec]
+
+    _path: str = PrivateAttr(default="<string>")
+    _content_hash: str = PrivateAttr(default="")
+    _locations: dict[tuple[Any, ...], SourceLocation] = PrivateAttr(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 of the file's bytes: resume refuses a changed workflow."""
+        return self._content_hash
+
+    def location(self, *keys: Any) -> SourceLocation | None:
+        """Where the node at `keys` (e.g. "transitions", 3, "target") is in the file."""
+        for n in range(len(keys), -1, -1):
+            loc = self._locations.get(tuple(keys[:n]))
+            if loc is not None:
+                return loc
+        return None
+
+    def final_states(self) -> list[str]:
+        return [sid for sid, s in self.states.items() if s.final]
+
+    def transitions_from(self, source: str) -> list[tuple[int, TransitionSpec]]:
+        return [(i, t) for i, t in enumerate(self.transitions) if t.source == source]
+
+    def transition_triples(self) -> set[tuple[str, str, str]]:
+        """(source, target, guard label) for every declared transition."""
+        return {(t.source, t.target, t.label()) for t in self.transitions}
