@@ -1,0 +1,190 @@
+"""Cold start: build a Kernel from configuration.
+
+Precedence, lowest first: built-in defaults < the workflow file < FSM_KERNEL_* environment <
+explicit options (the CLI's flags). Tests skip this module and pass fakes to Kernel directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsm_kernel.agent import HttpChatModel
+from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
+from fsm_kernel.errors import ConfigError, WorkflowValidationError
+from fsm_kernel.kernel import Kernel
+from fsm_kernel.memory import build_system_prompt, load_memory
+from fsm_kernel.protocol import EventStore
+from fsm_kernel.tools import ToolRegistry, builtin_registry
+from fsm_kernel.tools.registry import import_tools
+from fsm_kernel.workflow.compiler import compile_workflow
+from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.spec import WorkflowSpec
+
+__all__ = ["RunOptions", "build_kernel", "list_stock_workflows", "resolve_workflow"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class RunOptions:
+    """Explicit overrides (the CLI's flags); None means "not given"."""
+
+    model: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    request_timeout: float | None = None
+    max_retries: int | None = None
+    max_iterations: int | None = None
+    timeout_seconds: float | None = None
+    system_prompt: str | None = None
+    memory: str | None = None
+    workspace: str | None = None
+    extra_tools: list[Any] = field(default_factory=list)
+    """Extra tool functions to register and offer (the scheduler's state tools)."""
+
+
+def resolve_workflow(name_or_path: str | Path) -> Path:
+    """A path that exists wins; otherwise a stock workflow by name ("react" or "react.yaml")."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    stock = package_data_dir("workflows")
+    if stock is not None and "/" not in str(name_or_path):
+        candidate = stock / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(n for n, _ in list_stock_workflows()) or "none"
+    raise WorkflowValidationError(f"{name_or_path}: no such workflow file or stock workflow "
+                                  f"(stock: {names})")
+
+
+def list_stock_workflows() -> list[tuple[str, str]]:
+    """(name, description) of every stock workflow."""
+    stock = package_data_dir("workflows")
+    if stock is None:
+        return []
+    out = []
+    for path in sorted(stock.glob("*.yaml")):
+        try:
+            out.append((path.stem, load_workflow(path).description))
+        except WorkflowValidationError as exc:  # a broken stock file must not hide the others
+            out.append((path.stem, f"(invalid: {exc})"))
+    return out
+
+
+def agent_settings(spec: WorkflowSpec, options: RunOptions,
+                   environ: Mapping[str, str] | None = None) -> AgentSettings:
+    """Defaults < workflow `agent:` block < environment < options."""
+    settings = AgentSettings().merged(spec.agent.model_dump())
+    settings = settings.merged(agent_settings_from_env(environ))
+    return settings.merged({
+        "model": options.model,
+        "base_url": options.base_url,
+        "api_key": options.api_key,
+        "request_timeout": options.request_timeout,
+        "max_retries": options.max_retries,
+    })
+
+
+def _memory_dir(spec: WorkflowSpec, options: RunOptions) -> Path | None:
+    if options.memory is not None:
+        return Path(options.memory)  # explicit: load_memory reports it if it is missing
+    if spec.memory is None:
+        return None
+    relative = Path(spec.memory)
+    if relative.is_absolute():
+        return relative
+    candidates = [Path.cwd() / relative, Path(spec.path).parent / relative]
+    stock = package_data_dir(relative.name)
+    if stock is not None:
+        candidates.append(stock)
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    logger.warning("memory folder %r not found; running without memory", spec.memory)
+    return None
+
+
+def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, list[str]]:
+    """The registry (built-ins, the workflow's own, extras) and the names to offer."""
+    registry = builtin_registry(options.workspace or ".")
+    offered: list[str] = []
+    for i, entry in enumerate(spec.tools):
+        if ":" in entry or "." in entry:
+            try:
+                funcs = import_tools(entry)
+            except ConfigError as exc:
+                raise WorkflowValidationError(exc.message, location=spec.location("tools", i)) \
+                    from None
+            offered += [registry.register(f).name for f in funcs]
+        elif entry in registry:
+            offered.append(entry)
+        else:
+            known = ", ".join(registry.names())
+            raise WorkflowValidationError(
+                f"unknown tool {entry!r} (built-in: {known}; or package.module:function)",
+                location=spec.location("tools", i),
+            )
+    for func in options.extra_tools:
+        offered.append(registry.register(func).name)
+    for sid, state in spec.states.items():
+        for j, name in enumerate(state.tools or ()):
+            if name not in offered:
+                raise WorkflowValidationError(
+                    f"state tool {name!r} is not in the workflow's tools",
+                    location=spec.location("states", sid, "tools", j),
+                )
+    return registry, offered
+
+
+def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:
+    """The spec with the iteration cap / timeout overridden by options."""
+    updates = {
+        k: v
+        for k, v in {
+            "max_iterations": options.max_iterations,
+            "timeout_seconds": options.timeout_seconds,
+        }.items()
+        if v is not None
+    }
+    if not updates:
+        return spec
+    new = spec.model_copy(update={"limits": spec.limits.model_copy(update=updates)})
+    new._path, new._content_hash, new._locations = spec.path, spec.content_hash, spec._locations
+    return new
+
+
+def build_kernel(
+    spec: WorkflowSpec,
+    options: RunOptions | None = None,
+    *,
+    store: EventStore | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Kernel, HttpChatModel]:
+    """A Kernel wired to the HTTP model, the tool registry, memory and `store`.
+
+    The returned HttpChatModel must be closed (`await model.aclose()`) after the run.
+    """
+    options = options or RunOptions()
+    spec = apply_limits(spec, options)
+    settings = agent_settings(spec, options, environ)
+    registry, offered = build_tools(spec, options)
+    base_prompt = options.system_prompt if options.system_prompt is not None else spec.system_prompt
+    memory = load_memory(_memory_dir(spec, options))
+    logger.debug("memory loaded: %s", [m.name for m in memory])
+    system_prompt = build_system_prompt(base_prompt, memory)
+    model = HttpChatModel(settings)
+    kernel = Kernel(
+        compile_workflow(spec),
+        model=model,
+        tools=registry,
+        store=store,
+        system_prompt=system_prompt,
+        settings={**settings.public_dict(), "tools": offered},
+        tool_names=offered,
+    )
+    return kernel, model

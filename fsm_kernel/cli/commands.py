@@ -1,0 +1,205 @@
+"""Subcommands: run, validate, tools, schema, workflows (and the registration of the others)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+from fsm_kernel.bootstrap import RunOptions, build_kernel, list_stock_workflows, resolve_workflow
+from fsm_kernel.cli import output
+from fsm_kernel.config import default_store_location
+from fsm_kernel.kernel import Kernel, RunResult
+from fsm_kernel.protocol import EventStore
+from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.spec import WorkflowSpec
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def register(sub: Any) -> None:
+    """Add every subcommand to the parser."""
+    from fsm_kernel.cli import runs
+
+    _add_run(sub)
+    p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
+    p.add_argument("workflows", nargs="+", metavar="WORKFLOW")
+    p.set_defaults(handler=cmd_validate)
+    p = sub.add_parser("tools", help="list the built-in tools with their parameters")
+    p.add_argument("--json", action="store_true", help="print the tool schemas as JSON")
+    p.set_defaults(handler=cmd_tools)
+    p = sub.add_parser("schema", help="print the workflow file's JSON Schema (for editors)")
+    p.set_defaults(handler=cmd_schema)
+    p = sub.add_parser("workflows", help="list the stock workflows and when to choose each")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_workflows)
+    runs.register(sub)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model/server flags shared by run and resume."""
+    g = p.add_argument_group("model server (flags > FSM_KERNEL_* env > workflow agent: block)")
+    g.add_argument("--model", help="model name (default qwen3)")
+    g.add_argument("--base-url", help="OpenAI-compatible base URL (default Ollama's "
+                   "http://localhost:11434/v1)")
+    g.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="seconds to wait for one model answer (default 120)")
+    g.add_argument("--max-retries", type=int, metavar="N",
+                   help="retries on connection errors, 429 and 5xx (default 3)")
+    g = p.add_argument_group("run")
+    g.add_argument("--max-iterations", type=int, metavar="N",
+                   help="cap on model calls (0 = unlimited; default from the workflow)")
+    g.add_argument("--timeout", type=float, metavar="SECONDS", dest="timeout_seconds",
+                   help="wall-clock limit for the run (0 = none)")
+    g.add_argument("--workspace", metavar="DIR",
+                   help="root the file tools are confined to (default: current directory)")
+    g.add_argument("--store", metavar="LOCATION",
+                   help="event store: a SQLite file, a .jsonl file or a postgresql:// DSN "
+                   "(default FSM_KERNEL_STORE or .fsm-kernel/runs.db)")
+    g.add_argument("--json", action="store_true",
+                   help="print exactly one JSON object with the result on stdout")
+    g.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a workflow on a prompt",
+        description="Run WORKFLOW (a file, or a stock name such as 'default' or 'react') on "
+        "--prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
+        "answer, the tool calls and the termination reason to stdout.",
+    )
+    p.add_argument("workflow", metavar="WORKFLOW")
+    p.add_argument("--prompt", "-p", required=True, help="the task for the agent")
+    p.add_argument("--system-prompt", help="replace the workflow's system prompt")
+    p.add_argument("--memory", metavar="DIR",
+                   help="folder of *.md files appended to the system prompt")
+    add_model_flags(p)
+    p.set_defaults(handler=cmd_run)
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
+        model=args.model,
+        base_url=args.base_url,
+        request_timeout=args.request_timeout,
+        max_retries=args.max_retries,
+        max_iterations=args.max_iterations,
+        timeout_seconds=args.timeout_seconds,
+        system_prompt=getattr(args, "system_prompt", None),
+        memory=getattr(args, "memory", None),
+        workspace=args.workspace,
+    )
+
+
+def open_event_store(location: str | None) -> EventStore:
+    from fsm_kernel.store import open_store
+
+    return open_store(location or default_store_location())
+
+
+def load_spec(name_or_path: str) -> WorkflowSpec:
+    return load_workflow(resolve_workflow(name_or_path))
+
+
+async def run_cancellable(coro: Any) -> RunResult:
+    """Run a kernel coroutine so Ctrl-C cancels it (recorded as `cancelled`), not kills it."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
+        pass
+    try:
+        result: RunResult = await task
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return result
+
+
+def execute(args: argparse.Namespace, start: Any) -> int:
+    """Build the kernel, run `start(kernel)` under Ctrl-C handling, print, exit code."""
+    spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
+    store = open_event_store(args.store)
+    try:
+        kernel, model = build_kernel(spec, options_from_args(args), store=store)
+        if not args.json:
+            kernel.on_event = output.progress_printer(sys.stderr)
+
+        async def go() -> RunResult:
+            try:
+                return await run_cancellable(start(kernel))
+            finally:
+                await model.aclose()
+
+        result = asyncio.run(go())
+    finally:
+        store.close()
+    output.print_result(result, as_json=args.json)
+    return EXIT_OK if result.ok else EXIT_FAIL
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return execute(args, lambda kernel: _start_run(kernel, args.prompt))
+
+
+def _start_run(kernel: Kernel, prompt: str) -> Any:
+    return kernel.run(prompt)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from fsm_kernel.bootstrap import build_tools
+    from fsm_kernel.errors import FsmKernelError
+
+    failed = 0
+    for name in args.workflows:
+        try:
+            spec = load_spec(name)
+            build_tools(spec, RunOptions())
+        except FsmKernelError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"{spec.path}: ok ({len(spec.states)} states, "
+                  f"{len(spec.transitions)} transitions)")
+    return EXIT_USAGE if failed else EXIT_OK
+
+
+def cmd_tools(args: argparse.Namespace) -> int:
+    from fsm_kernel.tools import builtin_registry
+
+    tools = builtin_registry(".").list_tools()
+    if args.json:
+        print(json.dumps([t.to_dict() for t in tools], indent=2))
+        return EXIT_OK
+    for t in tools:
+        props = t.parameters.get("properties", {})
+        required = set(t.parameters.get("required", []))
+        params = ", ".join(f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}"
+                           for k, v in props.items())
+        print(f"{t.name}({params})\n    {t.description}")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    schema = WorkflowSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fsm-kernel workflow"
+    print(json.dumps(schema, indent=2))
+    return EXIT_OK
+
+
+def cmd_workflows(args: argparse.Namespace) -> int:
+    stock = list_stock_workflows()
+    if args.json:
+        print(json.dumps([{"name": n, "description": d} for n, d in stock], indent=2))
+        return EXIT_OK
+    width = max((len(n) for n, _ in stock), default=0)
+    for name, description in stock:
+        print(f"{name:<{width}}  {description}")
+    return EXIT_OK

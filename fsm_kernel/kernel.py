@@ -1,0 +1,288 @@
+"""The kernel: drives one compiled workflow per run until a final state, enforces the limits in
+code, records every step, and always ends with exactly one termination reason.
+
+It owns the loop and nothing else: the model, the tools, the session and the store are
+collaborators passed in (see bootstrap.py for building them from configuration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextvars import ContextVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_kernel.errors import AgentError, FsmKernelError
+from fsm_kernel.protocol import (
+    ChatModel,
+    Clock,
+    Event,
+    EventStore,
+    EventType,
+    Message,
+    SystemClock,
+    ToolExecutor,
+    Usage,
+    new_id,
+)
+from fsm_kernel.recorder import RunRecorder
+from fsm_kernel.session import InMemorySession
+from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
+from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.spec import SUCCESS_REASONS
+
+__all__ = ["Kernel", "RunResult", "current_run_id"]
+
+logger = logging.getLogger(__name__)
+
+current_run_id: ContextVar[str] = ContextVar("fsm_kernel_run_id", default="-")
+"""The id of the run the current task works for: log handlers put it on every line."""
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """How a run ended, with everything it produced so far (also when it ended badly)."""
+
+    run_id: str
+    workflow: str
+    termination_reason: str
+    response: str
+    iterations: int
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    error: str | None = None
+    messages: list[Message] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.termination_reason in SUCCESS_REASONS
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "termination_reason": self.termination_reason,
+            "response": self.response,
+            "iterations": self.iterations,
+            "tool_calls": [r.to_dict() for r in self.tool_calls],
+            "usage": self.usage.to_dict(),
+        }
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+class _Stop(Exception):
+    """The kernel itself ends the run (a limit in code, not a transition)."""
+
+    def __init__(self, reason: str, error: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.error = reason, error
+
+
+class Kernel:
+    """Runs a compiled workflow. Every collaborator is injectable."""
+
+    def __init__(
+        self,
+        workflow: CompiledWorkflow,
+        *,
+        model: ChatModel,
+        tools: ToolExecutor,
+        store: EventStore | None = None,
+        system_prompt: str = "",
+        clock: Clock | None = None,
+        settings: dict[str, Any] | None = None,
+        on_event: Callable[[Event], None] | None = None,
+        tool_names: Sequence[str] | None = None,
+    ) -> None:
+        self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tools)
+        self.workflow = workflow
+        self.spec = workflow.spec
+        self.model = model
+        self.tools = tools
+        self.store = store
+        self.system_prompt = system_prompt
+        self.clock = clock or SystemClock()
+        self.settings = settings or {}
+        self.on_event = on_event
+
+    # -- public API ----------------------------------------------------------------------
+
+    async def run(self, prompt: str, *, run_id: str | None = None) -> RunResult:
+        """Run the workflow on `prompt` until it terminates; never raises for run failures."""
+        run_id = run_id or new_id()
+        recorder = self._recorder(run_id)
+        recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
+        ctx = self.new_context(run_id, prompt, recorder)
+        machine = self.workflow.instantiate(ctx)
+        recorder.state = machine.state
+        recorder.record(EventType.STATE_ENTERED, {})
+        return await self.drive(ctx, machine, recorder)
+
+    def run_sync(self, prompt: str, *, run_id: str | None = None) -> RunResult:
+        """`run` for code without an event loop."""
+        return asyncio.run(self.run(prompt, run_id=run_id))
+
+    def new_context(self, run_id: str, prompt: str, recorder: RunRecorder) -> RunContext:
+        """A fresh context whose session holds the user's prompt."""
+        ctx = RunContext(
+            run_id=run_id,
+            goal=prompt,
+            system_prompt=self.system_prompt,
+            limits=self.spec.limits,
+            tool_names=self.tool_names,
+            model=self.model,
+            tools=self.tools,
+            session=InMemorySession(),
+            clock=self.clock,
+            record=recorder.record,
+        )
+        ctx.session.add(Message.user(prompt))
+        return ctx
+
+    async def drive(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> RunResult:
+        """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
+        current_run_id.set(ctx.run_id)
+        timeout = self.spec.limits.timeout_seconds or None
+        reason, error = "error", None
+        try:
+            async with asyncio.timeout(timeout):
+                reason = await self._loop(ctx, machine, recorder)
+        except _Stop as stop:
+            reason, error = stop.reason, stop.error
+        except TimeoutError:
+            reason, error = "timeout", f"run timed out after {timeout:g}s"
+        except asyncio.CancelledError:
+            reason, error = "cancelled", "run cancelled"
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        except AgentError as exc:
+            reason, error = "agent_error", str(exc)
+        except FsmKernelError as exc:
+            reason, error = "error", str(exc)
+        except Exception as exc:  # an action or guard is buggy: report, never crash the caller
+            logger.debug("action raised in state %s", machine.state, exc_info=True)
+            reason, error = "error", f"{type(exc).__name__}: {exc} (in state {machine.state!r})"
+        return self._finish(ctx, recorder, reason, error)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def _loop(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> str:
+        limits = self.spec.limits
+        transitions = 0
+        while not machine.is_final:
+            state = machine.state
+            recorder.state = state
+            action = self.workflow.actions.get(state)
+            if action is not None:
+                if action.calls_model:
+                    self._complete_iteration(ctx, recorder, state)
+                    if limits.max_iterations and ctx.iteration >= limits.max_iterations:
+                        raise _Stop("max_iterations")
+                ctx.state_spec = self.spec.states[state]
+                await action(ctx)
+                recorder.iteration = ctx.iteration
+            fired = machine.step()
+            transitions += 1
+            recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
+            if fired.final:
+                recorder.state = fired.target
+                return fired.reason or "final_answer"
+            recorder.state = fired.target
+            recorder.record(EventType.STATE_ENTERED, {})
+            if transitions >= limits.max_transitions:
+                raise _Stop(
+                    "no_progress",
+                    f"{transitions} transitions without reaching a final state "
+                    "(limits.max_transitions)",
+                )
+        return "final_answer"
+
+    def _complete_iteration(self, ctx: RunContext, recorder: RunRecorder, next_state: str) -> None:
+        """Record the iteration that just ended (before the next model call or at the end)."""
+        if ctx.iteration == 0 or ctx.scratch.get("_recorded_iteration") == ctx.iteration:
+            return
+        ctx.scratch["_recorded_iteration"] = ctx.iteration
+        recorder.record(EventType.ITERATION_COMPLETED, _iteration_record(ctx, next_state))
+
+    def _finish(
+        self, ctx: RunContext, recorder: RunRecorder, reason: str, error: str | None
+    ) -> RunResult:
+        self._complete_iteration(ctx, recorder, ctx.current_state)
+        response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
+        data: dict[str, Any] = {"reason": reason, "answer": response, "iterations": ctx.iteration}
+        if error:
+            data["error"] = error
+        recorder.record(EventType.RUN_TERMINATED, data)
+        logger.info("terminated: %s%s", reason, f" ({error})" if error else "")
+        return RunResult(
+            run_id=ctx.run_id,
+            workflow=self.spec.name,
+            termination_reason=reason,
+            response=response,
+            iterations=ctx.iteration,
+            tool_calls=list(ctx.tool_calls),
+            usage=ctx.usage,
+            error=error,
+            messages=ctx.session.messages(),
+            events=list(recorder.events),
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _recorder(
+        self, run_id: str, *, expected: Sequence[Event] = (), next_seq: int = 1
+    ) -> RunRecorder:
+        return RunRecorder(
+            run_id,
+            self.store,
+            clock=self.clock,
+            expected=expected,
+            next_seq=next_seq,
+            on_event=self.on_event,
+        )
+
+    def _started_data(self, prompt: str) -> dict[str, Any]:
+        return {
+            "workflow": self.spec.name,
+            "workflow_path": self.spec.path,
+            "workflow_hash": self.spec.content_hash,
+            "goal": prompt,
+            "settings": self.settings,
+            "limits": self.spec.limits.model_dump(),
+        }
+
+
+def _iteration_record(ctx: RunContext, next_state: str) -> dict[str, Any]:
+    completion = ctx.last_completion
+    calls = [r for r in ctx.tool_calls if r.iteration == ctx.iteration]
+    if ctx.malformed_reason is not None:
+        decision = "malformed"
+    elif completion is not None and completion.message.tool_calls:
+        decision = "tool_calls"
+    else:
+        decision = "answer"
+    errors = [f"{r.call.name}: {r.result.content[:200]}" for r in calls if r.result.is_error]
+    return {
+        "step": ctx.iteration,
+        "decision": decision,
+        "answer": completion.message.content[:500] if completion and decision == "answer" else "",
+        "tools": [
+            {
+                "id": r.call.id,
+                "name": r.call.name,
+                "input": r.call.arguments,
+                "output": r.result.content[:200],
+                "is_error": r.result.is_error,
+            }
+            for r in calls
+        ],
+        "error": ctx.malformed_reason or ("; ".join(errors) if errors else None),
+        "summary": ctx.summary,
+        "next_state": next_state,
+    }

@@ -1,0 +1,98 @@
+"""RunRecorder: turns what a run does into events, appended to the store as they happen.
+
+On resume it first *catches up*: the run is re-driven from its start with recorded answers, and
+every event it would record is matched against the log instead of written again. When the log
+runs out (the iteration that was in flight when the process died) recording goes live.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fsm_kernel.protocol import Clock, Event, EventStore, EventType, SystemClock
+
+__all__ = ["RunRecorder"]
+
+logger = logging.getLogger(__name__)
+
+# Keys whose values must match for a recorded event to count as "the same step" during catch-up.
+_IDENTITY: dict[EventType, tuple[str, ...]] = {
+    EventType.TRANSITION_TAKEN: ("source", "target", "index"),
+    EventType.TOOL_STARTED: ("call",),
+    EventType.ITERATION_COMPLETED: ("step",),
+}
+
+
+class RunRecorder:
+    """Appends a run's events; `events` keeps what this process recorded or matched."""
+
+    def __init__(
+        self,
+        run_id: str,
+        store: EventStore | None,
+        *,
+        clock: Clock | None = None,
+        expected: Sequence[Event] = (),
+        next_seq: int = 1,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.on_event = on_event
+        self.run_id = run_id
+        self.store = store
+        self.clock = clock or SystemClock()
+        self.events: list[Event] = []
+        self._expected = list(expected)
+        self._cursor = 0
+        self._seq = next_seq
+        self.iteration = 0
+        self.state: str | None = None
+        self.diverged_at: Event | None = None
+
+    @property
+    def catching_up(self) -> bool:
+        return self._cursor < len(self._expected)
+
+    def __call__(self, type_: EventType, data: dict[str, Any]) -> None:
+        self.record(type_, data)
+
+    def record(self, type_: EventType, data: dict[str, Any]) -> Event:
+        if self.catching_up:
+            matched = self._match(type_, data)
+            if matched is not None:
+                return matched
+        event = Event(
+            run_id=self.run_id,
+            seq=self._seq,
+            type=type_,
+            timestamp=self.clock.now(),
+            iteration=self.iteration,
+            state=self.state,
+            data=data,
+        )
+        if self.store is not None:
+            self.store.append([event])
+        self._seq += 1
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+        logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
+        return event
+
+    def _match(self, type_: EventType, data: dict[str, Any]) -> Event | None:
+        recorded = self._expected[self._cursor]
+        keys = _IDENTITY.get(type_, ())
+        same = recorded.type == type_ and all(recorded.data.get(k) == data.get(k) for k in keys)
+        if not same:
+            self.diverged_at = recorded
+            logger.warning(
+                "resume diverged from the log at seq %d (%s); recording live from here",
+                recorded.seq,
+                recorded.type.value,
+            )
+            self._cursor = len(self._expected)
+            return None
+        self._cursor += 1
+        self.events.append(recorded)
+        return recorded

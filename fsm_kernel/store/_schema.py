@@ -1,0 +1,306 @@
+"""The logical schema every event store shares: the DDL and ordered migrations for SQLite and
+PostgreSQL, and the mapping between Event and stored rows (JSON, never pickle).
+
+Imports only fsm_kernel.errors and fsm_kernel.protocol; the backends import this module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from fsm_kernel.errors import RunNotFoundError, StoreError, StoreSchemaError
+from fsm_kernel.protocol import Event, EventType, RunSummary
+
+__all__ = [
+    "AMBIGUOUS_SHOWN",
+    "COMPONENT",
+    "MIGRATIONS",
+    "POSTGRES_MIGRATIONS_TABLE",
+    "SCHEMA_VERSION",
+    "SQLITE_MIGRATIONS_TABLE",
+    "Migration",
+    "RunDelta",
+    "check_events",
+    "clean_prefix",
+    "decode_data",
+    "encode_data",
+    "format_ts",
+    "make_event",
+    "parse_ts",
+    "plan_migrations",
+    "resolve_run",
+    "summarize_batch",
+]
+
+COMPONENT = "events"
+"""Our rows in `schema_migrations`: other stores (the dispatch queue) may share the database."""
+
+SQLITE_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    component  TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    name       TEXT    NOT NULL,
+    applied_at TEXT    NOT NULL,
+    PRIMARY KEY (component, version)
+)"""
+
+POSTGRES_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    component  TEXT        NOT NULL,
+    version    INTEGER     NOT NULL,
+    name       TEXT        NOT NULL,
+    applied_at TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (component, version)
+)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Migration:
+    """One named schema step; applied in `version` order, each exactly once."""
+
+    version: int
+    name: str
+    sqlite: tuple[str, ...]
+    postgres: tuple[str, ...]
+
+
+_SQLITE_V1 = (
+    """CREATE TABLE events (
+        run_id    TEXT    NOT NULL,
+        seq       INTEGER NOT NULL,
+        type      TEXT    NOT NULL,
+        ts        TEXT    NOT NULL,
+        iteration INTEGER NOT NULL,
+        state     TEXT,
+        version   INTEGER NOT NULL,
+        data      TEXT    NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    )""",
+    """CREATE TABLE runs (
+        run_id             TEXT    PRIMARY KEY,
+        workflow           TEXT    NOT NULL,
+        goal               TEXT    NOT NULL,
+        started_at         TEXT    NOT NULL,
+        iterations         INTEGER NOT NULL DEFAULT 0,
+        termination_reason TEXT,
+        updated_at         TEXT    NOT NULL
+    )""",
+    "CREATE INDEX runs_started_at ON runs (started_at DESC, run_id DESC)",
+)
+
+_POSTGRES_V1 = (
+    """CREATE TABLE events (
+        run_id    TEXT        NOT NULL,
+        seq       BIGINT      NOT NULL,
+        type      TEXT        NOT NULL,
+        ts        TIMESTAMPTZ NOT NULL,
+        iteration INTEGER     NOT NULL,
+        state     TEXT,
+        version   INTEGER     NOT NULL,
+        data      JSONB       NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    )""",
+    """CREATE TABLE runs (
+        run_id             TEXT        PRIMARY KEY,
+        workflow           TEXT        NOT NULL,
+        goal               TEXT        NOT NULL,
+        started_at         TIMESTAMPTZ NOT NULL,
+        iterations         INTEGER     NOT NULL DEFAULT 0,
+        termination_reason TEXT,
+        updated_at         TIMESTAMPTZ NOT NULL
+    )""",
+    "CREATE INDEX runs_started_at ON runs (started_at DESC, run_id DESC)",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+def plan_migrations(applied: Mapping[int, str], *, where: str) -> list[Migration]:
+    """The migrations still to apply, given the applied {version: name} of a database.
+
+    Raises:
+        StoreSchemaError: the database was migrated by newer code, or by different code.
+    """
+    newest = max(applied, default=0)
+    if newest > SCHEMA_VERSION:
+        raise StoreSchemaError(
+            f"{where}: event store schema version {newest} is newer than this fsm-kernel "
+            f"supports ({SCHEMA_VERSION}); upgrade fsm-kernel"
+        )
+    known = {m.version: m.name for m in MIGRATIONS}
+    for version, name in applied.items():
+        if known.get(version) != name:
+            raise StoreSchemaError(
+                f"{where}: unknown event store migration {version} {name!r} in schema_migrations"
+            )
+    return [m for m in MIGRATIONS if m.version not in applied]
+
+
+def format_ts(ts: datetime) -> str:
+    """UTC ISO-8601 with fixed microseconds, so text order is time order (SQLite, JSONL)."""
+    return ts.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def parse_ts(text: str) -> datetime:
+    return datetime.fromisoformat(text).astimezone(UTC)
+
+
+def encode_data(event: Event) -> str:
+    """The event's data as compact JSON; StoreError when it is not plain JSON."""
+    try:
+        return json.dumps(event.data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise StoreError(
+            f"event {event.run_id}#{event.seq} ({event.type}): data is not plain JSON: {exc}"
+        ) from exc
+
+
+def decode_data(value: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        decoded = json.loads(value)
+    except ValueError as exc:
+        raise StoreError(f"stored event data is not valid JSON: {exc}") from exc
+    if not isinstance(decoded, dict):
+        raise StoreError(f"stored event data is not a JSON object: {value[:80]!r}")
+    return decoded
+
+
+def make_event(
+    *,
+    run_id: str,
+    seq: int,
+    type_: str,
+    ts: datetime,
+    iteration: int,
+    state: str | None,
+    version: int,
+    data: dict[str, Any],
+) -> Event:
+    """An Event from stored columns; StoreSchemaError for a type this code does not know."""
+    try:
+        event_type = EventType(type_)
+    except ValueError as exc:
+        raise StoreSchemaError(
+            f"run {run_id} seq {seq}: unknown event type {type_!r} (written by a newer fsm-kernel?)"
+        ) from exc
+    return Event(
+        run_id=run_id,
+        seq=int(seq),
+        type=event_type,
+        timestamp=ts.astimezone(UTC),
+        iteration=int(iteration),
+        state=state,
+        data=data,
+        version=int(version),
+    )
+
+
+def check_events(events: Sequence[Event]) -> None:
+    """Reject what no backend may store: an empty run id, seq < 1, a naive timestamp."""
+    for event in events:
+        if not event.run_id:
+            raise StoreError(f"event seq {event.seq} has an empty run_id")
+        if event.seq < 1:
+            raise StoreError(f"event {event.run_id}#{event.seq}: seq must be >= 1")
+        if event.timestamp.tzinfo is None or event.timestamp.utcoffset() is None:
+            raise StoreError(f"event {event.run_id}#{event.seq}: timestamp must be timezone-aware")
+
+
+@dataclass(kw_only=True)
+class RunDelta:
+    """What one appended batch changes in one run's `runs` row."""
+
+    run_id: str
+    first_ts: datetime
+    last_ts: datetime
+    workflow: str | None = None
+    goal: str | None = None
+    started_at: datetime | None = None
+    iterations: int = 0
+    termination_reason: str | None = None
+
+    def apply(self, event: Event) -> None:
+        self.first_ts = min(self.first_ts, event.timestamp)
+        self.last_ts = max(self.last_ts, event.timestamp)
+        if event.type is EventType.RUN_STARTED:
+            self.workflow = str(event.data.get("workflow") or "")
+            self.goal = str(event.data.get("goal") or "")
+            self.started_at = event.timestamp
+        elif event.type is EventType.ITERATION_COMPLETED:
+            self.iterations = max(self.iterations, event.iteration)
+        elif event.type is EventType.RUN_TERMINATED:
+            reason = event.data.get("reason")
+            self.termination_reason = None if reason is None else str(reason)
+
+    def merge_into(self, summary: RunSummary | None) -> RunSummary:
+        """The run's summary after this batch (used by stores that keep summaries in memory)."""
+        if summary is None:
+            return RunSummary(
+                run_id=self.run_id,
+                workflow=self.workflow or "",
+                goal=self.goal or "",
+                started_at=self.started_at or self.first_ts,
+                iterations=self.iterations,
+                termination_reason=self.termination_reason,
+            )
+        return RunSummary(
+            run_id=self.run_id,
+            workflow=summary.workflow if self.workflow is None else self.workflow,
+            goal=summary.goal if self.goal is None else self.goal,
+            started_at=summary.started_at if self.started_at is None else self.started_at,
+            iterations=max(summary.iterations, self.iterations),
+            termination_reason=self.termination_reason or summary.termination_reason,
+        )
+
+
+def summarize_batch(events: Iterable[Event]) -> list[RunDelta]:
+    """One RunDelta per run touched by the batch, in order of first appearance."""
+    deltas: dict[str, RunDelta] = {}
+    for event in events:
+        delta = deltas.get(event.run_id)
+        if delta is None:
+            delta = RunDelta(run_id=event.run_id, first_ts=event.timestamp, last_ts=event.timestamp)
+            deltas[event.run_id] = delta
+        delta.apply(event)
+    return list(deltas.values())
+
+
+AMBIGUOUS_SHOWN = 10
+"""How many candidates an ambiguous prefix error lists; backends fetch one more."""
+
+
+def clean_prefix(prefix: str) -> str:
+    """The prefix to look up; RunNotFoundError for an empty one (it would match every run)."""
+    cleaned = prefix.strip()
+    if not cleaned:
+        raise RunNotFoundError("no run id given", run_id=prefix)
+    return cleaned
+
+
+def resolve_run(prefix: str, matches: Sequence[str]) -> str:
+    """The one run id `prefix` names, from the sorted ids starting with it (at most
+    AMBIGUOUS_SHOWN + 1 of them).
+
+    Raises:
+        RunNotFoundError: no run matches, or several do (the message lists them).
+    """
+    if prefix in matches:
+        return prefix
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise RunNotFoundError(f"no run with id or id prefix {prefix!r}", run_id=prefix)
+    shown = ", ".join(matches[:AMBIGUOUS_SHOWN])
+    more = ", ..." if len(matches) > AMBIGUOUS_SHOWN else ""
+    raise RunNotFoundError(
+        f"run id prefix {prefix!r} is ambiguous; it matches {shown}{more}", run_id=prefix
+    )

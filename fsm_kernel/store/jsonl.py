@@ -1,0 +1,378 @@
+"""JSON Lines: an EventStore for fixtures and offline inspection, and the export/import format
+that moves runs between stores.
+
+One event per line: Event.to_dict() plus a "crc32" of the rest (checked when present, so
+hand-written fixtures may leave it out). Appends are fsynced and serialized between processes
+with flock; a torn last line left by a crash is ignored and cut off by the next append.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError
+from fsm_kernel.protocol import Event, EventStore, RunSummary
+from fsm_kernel.store._schema import (
+    AMBIGUOUS_SHOWN,
+    check_events,
+    clean_prefix,
+    encode_data,
+    make_event,
+    parse_ts,
+    resolve_run,
+    summarize_batch,
+)
+
+__all__ = ["JsonlEventStore", "export_run", "import_events"]
+
+logger = logging.getLogger(__name__)
+
+_CRC_KEY = "crc32"
+
+
+class JsonlEventStore:
+    """Append-only event log in one .jsonl file, kept in memory and re-read as it grows.
+
+    Several stores (threads or processes) may share a file: every call first reads what others
+    appended since, and appends hold an exclusive flock. Local filesystems only.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self._lock = threading.Lock()
+        self._fd: int | None = _open(self.path)
+        self._offset = 0
+        self._lineno = 0
+        self._torn = False
+        self._needs_newline = False
+        self._events: dict[str, dict[int, Event]] = {}
+        self._runs: dict[str, RunSummary] = {}
+        try:
+            with self._lock, self._flocked(fcntl.LOCK_SH):
+                self._catch_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"JsonlEventStore({str(self.path)!r})"
+
+    def __enter__(self) -> JsonlEventStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def append(self, events: Sequence[Event]) -> None:
+        """Append a batch with one write and one fsync.
+
+        Raises:
+            StoreConflictError: a (run_id, seq) of the batch exists already (or twice in it);
+                nothing of the batch is written.
+            StoreError: the file could not be written.
+        """
+        batch = list(events)
+        if not batch:
+            return
+        check_events(batch)
+        payload = b"".join(_encode_line(e) for e in batch)
+        with self._lock, self._flocked(fcntl.LOCK_EX):
+            self._catch_up()
+            self._check_conflicts(batch)
+            self._repair_tail()
+            if self._needs_newline:
+                payload = b"\n" + payload
+            self._write(payload)
+            self._needs_newline = False
+            self._offset += len(payload)
+            self._lineno += len(batch)
+            self._index(batch)
+
+    def read(self, run_id: str) -> list[Event]:
+        """Every event of the run in seq order; [] for an unknown run."""
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            by_seq = self._events.get(run_id, {})
+            return [by_seq[seq] for seq in sorted(by_seq)]
+
+    def next_seq(self, run_id: str) -> int:
+        """1 + the run's last seq; 1 for a run with no events."""
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            seqs = self._events.get(run_id)
+            return max(seqs) + 1 if seqs else 1
+
+    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
+        """The `limit` most recently started runs, newest first."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            runs = sorted(self._runs.values(), key=lambda r: (r.started_at, r.run_id))
+        return runs[::-1][:limit]
+
+    def find_run(self, prefix: str) -> str:
+        """The full id of the run `prefix` names (a full id or a unique prefix of one).
+
+        Raises:
+            RunNotFoundError: no run matches, or several do (the message lists them).
+        """
+        cleaned = clean_prefix(prefix)
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            matches = sorted(r for r in self._runs if r.startswith(cleaned))
+        return resolve_run(cleaned, matches[: AMBIGUOUS_SHOWN + 1])
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _live(self) -> int:
+        if self._fd is None:
+            raise StoreError(f"{self.path}: event store is closed")
+        return self._fd
+
+    @contextlib.contextmanager
+    def _flocked(self, mode: int) -> Iterator[int]:
+        fd = self._live()
+        try:
+            fcntl.flock(fd, mode)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot lock: {exc}") from exc
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _catch_up(self) -> None:
+        """Index the lines appended (by anyone) since the last call."""
+        data = self._read_new()
+        if not data:
+            return
+        lines, tail = _split(data)
+        events: list[Event] = []
+        seen: set[tuple[str, int]] = set()
+        for i, line in enumerate(lines, self._lineno + 1):
+            event = _decode_line(line, f"{self.path}:{i}")
+            if event is None:
+                continue
+            key = (event.run_id, event.seq)
+            if key in seen or event.seq in self._events.get(event.run_id, {}):
+                raise StoreError(f"{self.path}:{i}: run {key[0]} seq {key[1]} appears twice")
+            seen.add(key)
+            events.append(event)
+        self._offset += len(data) - len(tail)
+        self._lineno += len(lines)
+        if tail and not self._torn:
+            logger.warning("%s: ignoring a torn last line (%d bytes)", self.path, len(tail))
+        self._torn = bool(tail)
+        self._needs_newline = not tail and not data.endswith(b"\n")
+        self._index(events)
+
+    def _read_new(self) -> bytes:
+        """The bytes past what is indexed (a torn tail is read again each time)."""
+        fd = self._live()
+        try:
+            size = os.fstat(fd).st_size
+            if size < self._offset:
+                raise StoreError(f"{self.path}: the file shrank while open (edited by hand?)")
+            return os.pread(fd, size - self._offset, self._offset)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot read: {exc}") from exc
+
+    def _index(self, events: Sequence[Event]) -> None:
+        for event in events:
+            self._events.setdefault(event.run_id, {})[event.seq] = event
+        for delta in summarize_batch(events):
+            self._runs[delta.run_id] = delta.merge_into(self._runs.get(delta.run_id))
+
+    def _check_conflicts(self, batch: Sequence[Event]) -> None:
+        seen: set[tuple[str, int]] = set()
+        for event in batch:
+            key = (event.run_id, event.seq)
+            if key in seen:
+                raise StoreConflictError(
+                    f"run {event.run_id}: seq {event.seq} appears twice in one batch"
+                )
+            if event.seq in self._events.get(event.run_id, {}):
+                raise StoreConflictError(f"run {event.run_id}: seq {event.seq} already exists")
+            seen.add(key)
+
+    def _repair_tail(self) -> None:
+        """Cut off a torn last line (a crash mid-append) before appending after it."""
+        if not self._torn:
+            return
+        try:
+            os.ftruncate(self._live(), self._offset)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot cut off a torn last line: {exc}") from exc
+        logger.warning("%s: cut off a torn last line at byte %d", self.path, self._offset)
+        self._torn = False
+
+    def _write(self, payload: bytes) -> None:
+        fd = self._live()
+        try:
+            _write_all(fd, payload)
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self._offset)  # leave no half-written batch behind
+            raise StoreError(f"{self.path}: append failed: {exc}") from exc
+
+
+def export_run(store: EventStore, run_id: str, path: str | Path) -> int:
+    """Write every event of one run to a .jsonl file (replaced atomically); returns the count.
+
+    Raises:
+        RunNotFoundError: the store has no events for `run_id`.
+        StoreError: the file could not be written.
+    """
+    events = store.read(run_id)
+    if not events:
+        raise RunNotFoundError(f"no run with id {run_id!r}", run_id=run_id)
+    target = Path(path).expanduser()
+    try:
+        _atomic_write(target, b"".join(_encode_line(e) for e in events))
+    except OSError as exc:
+        raise StoreError(f"{target}: cannot export run {run_id}: {exc}") from exc
+    logger.info("exported %d events of run %s to %s", len(events), run_id, target)
+    return len(events)
+
+
+def import_events(store: EventStore, path: str | Path) -> int:
+    """Append every event of a .jsonl file to `store` in one batch; returns the count.
+
+    Raises:
+        StoreConflictError: some event already exists in `store` (nothing is imported).
+        StoreError: the file cannot be read or a line is not an event.
+    """
+    source = Path(path).expanduser()
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise StoreError(f"{source}: cannot read: {exc}") from exc
+    lines, tail = _split(data)
+    if tail:
+        logger.warning("%s: ignoring a torn last line (%d bytes)", source, len(tail))
+    decoded = (_decode_line(line, f"{source}:{i}") for i, line in enumerate(lines, 1))
+    events = [e for e in decoded if e is not None]
+    store.append(events)
+    logger.info("imported %d events from %s", len(events), source)
+    return len(events)
+
+
+def _open(path: Path) -> int:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        if not existed:
+            _fsync_dir(path.parent)  # the new file's name must survive a crash too
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open event log: {exc}") from exc
+    return fd
+
+
+def _fsync_dir(directory: Path) -> None:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _write_all(fd: int, payload: bytes) -> None:
+    view = memoryview(payload)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _atomic_write(target: Path, payload: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        try:
+            _write_all(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _split(data: bytes) -> tuple[list[bytes], bytes]:
+    """Complete lines and the torn remainder. A last line without its newline that parses is
+    complete (a hand-written fixture); the next append writes its newline first."""
+    end = data.rfind(b"\n") + 1
+    lines, tail = data[:end].split(b"\n")[:-1], data[end:]
+    if tail.strip() and _is_json_object(tail):
+        return [*lines, tail], b""
+    return lines, tail
+
+
+def _is_json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
+def _canonical(d: dict[str, Any]) -> bytes:
+    text = json.dumps(d, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
+    return text.encode("utf-8")
+
+
+def _encode_line(event: Event) -> bytes:
+    encode_data(event)  # the same "plain JSON only" check and message as the databases
+    d = event.to_dict()
+    d[_CRC_KEY] = f"{zlib.crc32(_canonical(d)):08x}"
+    return _canonical(d) + b"\n"
+
+
+def _decode_line(line: bytes, where: str) -> Event | None:
+    """The event on one line; None for a blank line; StoreError naming `where` otherwise."""
+    if not line.strip():
+        return None
+    try:
+        d = json.loads(line)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        crc = d.pop(_CRC_KEY, None)
+        if crc is not None and crc != f"{zlib.crc32(_canonical(d)):08x}":
+            raise ValueError("checksum mismatch (the line was altered or damaged)")
+        return make_event(
+            run_id=str(d["run_id"]),
+            seq=int(d["seq"]),
+            type_=str(d["type"]),
+            ts=parse_ts(str(d["ts"])),
+            iteration=int(d.get("iteration", 0)),
+            state=d.get("state"),
+            version=int(d.get("v", 1)),
+            data=dict(d.get("data") or {}),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(f"{where}: not an event: {exc}") from exc

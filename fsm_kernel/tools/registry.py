@@ -1,0 +1,579 @@
+"""ToolRegistry and the @tool marker: JSON schema from a typed signature, argument validation,
+timeouts, output caps, and tool failures turned into error results. Imports only protocol and
+errors from fsm_kernel (tools never import agent, session, memory or store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, time as dt_time
+from enum import Enum
+from pathlib import PurePath
+from types import ModuleType
+from typing import Any, TypeVar, get_type_hints, overload
+
+import pydantic
+
+from fsm_kernel.errors import (
+    ConfigError,
+    ToolArgumentsError,
+    ToolError,
+    ToolExecutionError,
+    ToolFatalError,
+    ToolNotFoundError,
+    ToolTimeoutError,
+)
+from fsm_kernel.protocol import Tool, ToolCall, ToolResult
+
+__all__ = [
+    "DEFAULT_OUTPUT_CAP",
+    "DEFAULT_TIMEOUT",
+    "RegisteredTool",
+    "ToolOptions",
+    "ToolRegistry",
+    "collect_tools",
+    "import_tools",
+    "is_tool",
+    "tool",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_CAP = 16_000
+DEFAULT_TIMEOUT = 30.0
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MARKER = "__fsm_kernel_tool__"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+"""What OpenAI-compatible servers accept as a function name."""
+_SECTION_RE = re.compile(
+    r"^(Args|Arguments|Parameters|Returns|Return|Raises|Yields|Examples?|Notes?|See Also):\s*$"
+)
+_ARGS_HEADERS = ("Args:", "Arguments:", "Parameters:")
+_ARG_LINE_RE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
+_SCHEMA_DATA = frozenset({"default", "const", "enum", "examples"})
+_INPUT_PREVIEW = 60
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOptions:
+    """What @tool recorded on a function; explicit `register()` arguments win over it."""
+
+    name: str | None = None
+    description: str | None = None
+    timeout: float | None = None
+
+
+@overload
+def tool(
+    func: F,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+) -> F: ...
+
+
+@overload
+def tool(
+    func: None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+) -> Callable[[F], F]: ...
+
+
+def tool(
+    func: F | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+) -> F | Callable[[F], F]:
+    """Mark a function as a tool, with or without options, leaving it otherwise unchanged.
+
+    A marked function can be registered later (`registry.register(func)`), found by
+    `collect_tools(module)` or named in a workflow as `package.module:function`.
+    """
+    options = ToolOptions(name=name, description=description, timeout=timeout)
+
+    def mark(f: F) -> F:
+        setattr(f, _MARKER, options)
+        return f
+
+    return mark(func) if func is not None else mark
+
+
+def is_tool(obj: object) -> bool:
+    """True for a function marked with @tool."""
+    return callable(obj) and isinstance(getattr(obj, _MARKER, None), ToolOptions)
+
+
+def collect_tools(module: ModuleType) -> list[Callable[..., Any]]:
+    """The @tool-marked functions defined at the top level of `module`, in definition order."""
+    return [obj for obj in vars(module).values() if is_tool(obj)]
+
+
+def import_tools(ref: str) -> list[Callable[..., Any]]:
+    """Import tools by reference: `package.module:function` for one function (marked or not),
+    `package.module` for every @tool-marked function in it.
+
+    Raises:
+        ConfigError: the module cannot be imported or has no such function.
+    """
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import tool module {module_name!r}: {exc}") from exc
+    if not attr:
+        return collect_tools(module)
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ConfigError(f"{ref!r}: module {module_name!r} has no function {attr!r}")
+    return [func]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisteredTool:
+    """One registered tool: its public definition plus what is needed to call it."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    """JSON schema of the arguments object."""
+    handler: Callable[..., Any]
+    arguments_model: type[pydantic.BaseModel]
+    """Validates the arguments; field i is parameter i, aliased to the parameter's name."""
+    parameter_names: tuple[str, ...]
+    timeout: float | None = None
+    """Seconds; None means the registry's default."""
+
+    @property
+    def definition(self) -> Tool:
+        """The tool as offered to the model."""
+        return Tool(name=self.name, description=self.description, parameters=self.parameters)
+
+    @property
+    def is_async(self) -> bool:
+        return _is_async_callable(self.handler)
+
+    def bind(self, call: ToolCall) -> dict[str, Any]:
+        """Validated keyword arguments for the handler; ToolArgumentsError otherwise."""
+        if call.arguments_error is not None:
+            raise ToolArgumentsError(
+                f"arguments for {self.name!r} are not valid JSON: {call.arguments_error}",
+                tool_name=self.name,
+            )
+        try:
+            model = self.arguments_model.model_validate(call.arguments)
+        except pydantic.ValidationError as exc:
+            raise ToolArgumentsError(
+                f"invalid arguments for {self.name!r}: {_describe_validation(exc)}",
+                tool_name=self.name,
+            ) from exc
+        return {
+            name: getattr(model, f"p{i}") for i, name in enumerate(self.parameter_names)
+        }
+
+
+class ToolRegistry:
+    """Named tools, offered to the model as JSON schemas and executed on its calls.
+
+    `execute` never raises for a tool's problem: unknown names, bad arguments, exceptions,
+    timeouts and fatal errors all come back as error `ToolResult`s. Only cancellation escapes.
+    A timed-out sync handler keeps running in its worker thread (threads cannot be killed);
+    its result is discarded.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_cap: int = DEFAULT_OUTPUT_CAP,
+        default_timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> None:
+        if output_cap <= 0:
+            raise ConfigError(f"output_cap must be positive, got {output_cap}")
+        self.output_cap = output_cap
+        self.default_timeout = default_timeout
+        self._tools: dict[str, RegisteredTool] = {}
+
+    @overload
+    def register(
+        self,
+        func: F,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+    ) -> F: ...
+
+    @overload
+    def register(
+        self,
+        func: None = None,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[F], F]: ...
+
+    def register(
+        self,
+        func: F | None = None,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+    ) -> F | Callable[[F], F]:
+        """Register `func` as a tool; usable as a call or as a decorator (bare or with options).
+
+        Options default to what @tool recorded on the function, then to the function's name and
+        docstring. Raises ConfigError for a duplicate or invalid name or an unusable signature.
+        """
+        explicit = ToolOptions(name=name, description=description, timeout=timeout)
+
+        def add(f: F) -> F:
+            self.add(build_tool(f, _merge_options(getattr(f, _MARKER, None), explicit)))
+            return f
+
+        return add(func) if func is not None else add
+
+    def add(self, entry: RegisteredTool) -> None:
+        """Add an already built tool; ConfigError if the name is taken."""
+        if entry.name in self._tools:
+            raise ConfigError(f"tool {entry.name!r} is already registered")
+        self._tools[entry.name] = entry
+
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def get(self, name: str) -> RegisteredTool | None:
+        return self._tools.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __iter__(self) -> Iterator[RegisteredTool]:
+        return iter(list(self._tools.values()))
+
+    def list_tools(self, names: Sequence[str] | None = None) -> list[Tool]:
+        """All tools in registration order, or exactly `names` in that order.
+
+        Raises:
+            ToolNotFoundError: one of `names` is not registered.
+        """
+        if names is None:
+            return [entry.definition for entry in self._tools.values()]
+        return [self._require(name).definition for name in names]
+
+    def copy(self) -> ToolRegistry:
+        """An independent registry with the same tools and settings."""
+        clone = ToolRegistry(output_cap=self.output_cap, default_timeout=self.default_timeout)
+        clone._tools = dict(self._tools)
+        return clone
+
+    def merged(self, other: ToolRegistry, *, override: bool = False) -> ToolRegistry:
+        """A new registry: these tools, then `other`'s, keeping this registry's settings.
+
+        A name in both is a ConfigError unless `override`, in which case `other`'s tool wins.
+        """
+        clone = self.copy()
+        for entry in other:
+            if entry.name in clone._tools and not override:
+                raise ConfigError(f"tool {entry.name!r} is defined twice")
+            clone._tools[entry.name] = entry
+        return clone
+
+    async def execute(self, call: ToolCall) -> ToolResult:
+        """Run one call and return its result; tool problems come back as error results."""
+        started = time.monotonic()
+        try:
+            result = await self._run(call)
+        except ToolError as exc:
+            if not exc.tool_name:
+                exc.tool_name = call.name
+            result = self._error_result(exc)
+        logger.debug(
+            "tool %s (call %s) finished in %.3fs: error_type=%s truncated=%s",
+            call.name,
+            call.id,
+            time.monotonic() - started,
+            result.error_type,
+            result.truncated,
+        )
+        return result
+
+    async def _run(self, call: ToolCall) -> ToolResult:
+        entry = self._require(call.name)
+        kwargs = entry.bind(call)
+        value = await self._invoke(entry, kwargs)
+        content, truncated = self._cap(_render(entry.name, value))
+        return ToolResult(content=content, truncated=truncated)
+
+    def _require(self, name: str) -> RegisteredTool:
+        entry = self._tools.get(name)
+        if entry is None:
+            available = ", ".join(self._tools) or "(none)"
+            raise ToolNotFoundError(
+                f"unknown tool {name!r}; available tools: {available}", tool_name=name
+            )
+        return entry
+
+    async def _invoke(self, entry: RegisteredTool, kwargs: dict[str, Any]) -> Any:
+        limit = entry.timeout if entry.timeout is not None else self.default_timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await _call_handler(entry, kwargs)
+        except TimeoutError as exc:
+            # Only the deadline lands here: a handler's own TimeoutError became a
+            # ToolExecutionError inside _call_handler.
+            raise ToolTimeoutError(
+                f"tool {entry.name!r} did not finish within {limit:g}s", tool_name=entry.name
+            ) from exc
+
+    def _cap(self, text: str) -> tuple[str, bool]:
+        if len(text) <= self.output_cap:
+            return text, False
+        note = f"\n[output truncated: {len(text)} chars, showing the first {self.output_cap}]"
+        return text[: self.output_cap] + note, True
+
+    def _error_result(self, exc: ToolError) -> ToolResult:
+        content, truncated = self._cap(str(exc))
+        return ToolResult(
+            content=content,
+            is_error=True,
+            error_type=type(exc).__name__,
+            fatal=isinstance(exc, ToolFatalError),
+            truncated=truncated,
+        )
+
+
+async def _call_handler(entry: RegisteredTool, kwargs: dict[str, Any]) -> Any:
+    try:
+        if entry.is_async:
+            return await entry.handler(**kwargs)
+        return await asyncio.to_thread(functools.partial(entry.handler, **kwargs))
+    except ToolError:
+        raise
+    except Exception as exc:
+        raise ToolExecutionError(f"{type(exc).__name__}: {exc}", tool_name=entry.name) from exc
+
+
+def _is_async_callable(func: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(func):
+        return True
+    call = getattr(func, "__call__", None)  # noqa: B004 -- an object with an async __call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _merge_options(marked: ToolOptions | None, explicit: ToolOptions) -> ToolOptions:
+    base = marked if isinstance(marked, ToolOptions) else ToolOptions()
+    return ToolOptions(
+        name=explicit.name if explicit.name is not None else base.name,
+        description=explicit.description if explicit.description is not None else base.description,
+        timeout=explicit.timeout if explicit.timeout is not None else base.timeout,
+    )
+
+
+def build_tool(func: Callable[..., Any], options: ToolOptions | None = None) -> RegisteredTool:
+    """Derive a RegisteredTool from a typed function (schema, description, validator)."""
+    options = options or ToolOptions()
+    name = options.name if options.name is not None else getattr(func, "__name__", "")
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"invalid tool name {name!r}: use 1-64 letters, digits, '_' or '-'")
+    if options.timeout is not None and options.timeout <= 0:
+        raise ConfigError(f"tool {name!r}: timeout must be positive, got {options.timeout}")
+    summary, arg_docs = _parse_docstring(inspect.getdoc(func) or "")
+    params = _parameters(name, func)
+    model = _arguments_model(name, func, params, arg_docs)
+    return RegisteredTool(
+        name=name,
+        description=options.description if options.description is not None else summary,
+        parameters=_json_schema(name, model),
+        handler=func,
+        arguments_model=model,
+        parameter_names=tuple(p.name for p in params),
+        timeout=options.timeout,
+    )
+
+
+def _parameters(name: str, func: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"tool {name!r}: cannot read its signature: {exc}") from exc
+    for p in params:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise ConfigError(
+                f"tool {name!r}: parameter {p.name!r} must be a plain or keyword-only "
+                "parameter (no *args, **kwargs or positional-only)"
+            )
+    return params
+
+
+def _arguments_model(
+    name: str,
+    func: Callable[..., Any],
+    params: list[inspect.Parameter],
+    arg_docs: dict[str, str],
+) -> type[pydantic.BaseModel]:
+    hints = _type_hints(name, func)
+    fields: dict[str, Any] = {}
+    for i, p in enumerate(params):
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        # Fields are named p0, p1, ... and aliased to the parameter names, so a parameter may
+        # be called `json`, `copy` or `_x` without clashing with BaseModel's own attributes.
+        field = pydantic.Field(default, alias=p.name, description=arg_docs.get(p.name))
+        fields[f"p{i}"] = (hints.get(p.name, Any), field)
+    try:
+        return pydantic.create_model(  # type: ignore[call-overload,no-any-return]  # dynamic fields
+            f"{name}_arguments",
+            __config__=pydantic.ConfigDict(extra="forbid"),
+            **fields,
+        )
+    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as exc:
+        raise ConfigError(f"tool {name!r}: unsupported parameter type: {exc}") from exc
+
+
+def _type_hints(name: str, func: Callable[..., Any]) -> dict[str, Any]:
+    target = func if inspect.isfunction(func) or inspect.ismethod(func) else type(func).__call__
+    try:
+        return get_type_hints(target, include_extras=True)
+    except (NameError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"tool {name!r}: cannot resolve its type annotations: {exc}") from exc
+
+
+def _json_schema(name: str, model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    try:
+        schema = model.model_json_schema()
+    except pydantic.PydanticUserError as exc:
+        raise ConfigError(f"tool {name!r}: no JSON schema for its parameters: {exc}") from exc
+    stripped: dict[str, Any] = _strip_titles(schema)
+    stripped.setdefault("properties", {})
+    return stripped
+
+
+def _strip_titles(node: Any) -> Any:
+    """Drop pydantic's generated `title`s, but not properties that happen to be named title."""
+    if isinstance(node, list):
+        return [_strip_titles(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _strip_titles(v) for k, v in value.items()}
+        elif key in _SCHEMA_DATA:
+            out[key] = value
+        else:
+            out[key] = _strip_titles(value)
+    return out
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """The first paragraph (lines joined) and the Google-style `Args:` descriptions."""
+    lines = doc.splitlines()
+    summary: list[str] = []
+    for line in lines:
+        if not line.strip() or _SECTION_RE.match(line.strip()):
+            break
+        summary.append(line.strip())
+    return " ".join(summary), _parse_args_section(lines)
+
+
+def _parse_args_section(lines: list[str]) -> dict[str, str]:
+    start = next((i for i, line in enumerate(lines) if line.strip() in _ARGS_HEADERS), None)
+    if start is None:
+        return {}
+    header_indent = _indent(lines[start])
+    docs: dict[str, str] = {}
+    entry_indent: int | None = None
+    current: str | None = None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        indent = _indent(line)
+        if indent <= header_indent:
+            break
+        if entry_indent is None:
+            entry_indent = indent
+        match = _ARG_LINE_RE.match(line.strip()) if indent == entry_indent else None
+        if match:
+            current = match.group(1)
+            docs[current] = match.group(2).strip()
+        elif current is not None:
+            docs[current] = f"{docs[current]} {line.strip()}".strip()
+    return docs
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _describe_validation(exc: pydantic.ValidationError) -> str:
+    problems = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in err["loc"]) or "arguments"
+        text = f"{where}: {err['msg']}"
+        if err["type"] not in ("missing", "extra_forbidden") and err["loc"]:
+            preview = repr(err.get("input"))
+            if len(preview) > _INPUT_PREVIEW:
+                preview = preview[: _INPUT_PREVIEW - 3] + "..."
+            text += f" (got {preview})"
+        problems.append(text)
+    return "; ".join(problems)
+
+
+def _render(name: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=_json_default, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ToolExecutionError(
+            f"tool {name!r} returned a {type(value).__name__} that cannot be sent back: {exc}",
+            tool_name=name,
+        ) from exc
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, datetime | date | dt_time):
+        return value.isoformat()
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, set | frozenset):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

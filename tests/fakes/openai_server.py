@@ -1,0 +1,546 @@
+"""A fake OpenAI-compatible chat-completions server for integration tests: real HTTP over
+loopback, scripted replies. Standard library only (it never imports fsm_kernel), so it also runs
+as a script for subprocess tests.
+
+In-process use::
+
+    from tests.fakes.openai_server import FakeOpenAIServer, call, text_reply, tool_reply
+
+    with FakeOpenAIServer() as server:                 # 127.0.0.1, a free port, daemon thread
+        server.enqueue(
+            tool_reply(call("read_file", {"path": "a.txt"}, id="c1")),
+            text_reply("done", reasoning="thought about it"),
+        )
+        settings = AgentSettings(base_url=server.base_url, model="m", max_retries=0)
+        ...                                            # run the code under test
+        assert server.requests[1]["messages"][-1]["tool_call_id"] == "c1"
+        server.assert_complete()                       # every reply used, no errors
+
+Each POST to `/v1/chat/completions` takes the next reply from the queue. Replies:
+
+* `text_reply(content, *, reasoning=None)`: a plain answer (`reasoning` goes in the `reasoning`
+  field, as Ollama and vLLM send it).
+* `tool_reply(*calls, content=None)`, with `call(name, arguments, id=None)` per call; several
+  calls are parallel tool calls in one response. `arguments` is a dict (sent as a JSON string)
+  or a string sent verbatim (for invalid-JSON tests).
+* `http_error(status, body=None, headers=None)`: an error status; the default body is
+  OpenAI-shaped, a dict is sent as JSON, a string as text.
+* `raw_body(text, status=200)`: any text, e.g. invalid JSON.
+* `hang(seconds, then=None)`: wait before answering `then` (default: a 504). The wait ends at
+  once when the server stops, so timeout tests shut down fast.
+* `disconnect()`: close the connection without answering.
+* a plain dict: a full response body sent as-is with status 200 (for quirk tests).
+* a callable `fn(request_body) -> reply`: decides from the request.
+
+Generated replies echo the request's `model` and carry `usage`. When the queue is empty the
+server answers 500 with a body saying the script ran out, and records that in `.errors`.
+
+With `strict=True` (the default) the server also enforces OpenAI's message-ordering rules and
+answers 400 with OpenAI's own messages, as the real API does: a `tool` message must answer a
+call of the assistant message before it, and every call must be answered before the next
+non-tool message. Such a rejection uses no scripted reply and is recorded in `.errors`.
+
+Inspect `.requests` (JSON bodies received), `.request_headers` (lower-cased names), `.errors`,
+`.pending` (replies left), and `wait_for_requests(n)`.
+
+Script mode, for running the `fsm-kernel` CLI in a subprocess::
+
+    python -m tests.fakes.openai_server --script replies.json [--port 0] [--requests-log FILE]
+
+`replies.json` is a list of reply specs: `{"text": "...", "reasoning": "..."}`,
+`{"tool_calls": [{"name": "...", "arguments": {...}, "id": "..."}], "content": "..."}`,
+`{"status": 500, "body": ..., "headers": {...}}`, `{"raw": "...", "status": 200}`,
+`{"hang": 5, "then": {...}}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare
+string (a text reply). The server prints `READY http://127.0.0.1:PORT/v1` on one line (flushed)
+and serves until killed; `--requests-log FILE` appends each request body as a JSON line, flushed
+at once so it survives a SIGKILL of the client. Run it from the repository root (or run the file
+directly: `python tests/fakes/openai_server.py ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = [
+    "ENDPOINT",
+    "FakeOpenAIServer",
+    "Reply",
+    "ReplyLike",
+    "call",
+    "disconnect",
+    "hang",
+    "http_error",
+    "main",
+    "raw_body",
+    "reply_from_spec",
+    "text_reply",
+    "tool_reply",
+]
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT = "/v1/chat/completions"
+DEFAULT_USAGE: Mapping[str, int] = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted answer. Build it with the helpers below rather than by hand."""
+
+    status: int = 200
+    body: Any = None
+    """Sent as JSON when not None."""
+    text: str | None = None
+    """Sent verbatim when `body` is None."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+    """Seconds to wait before answering (cut short when the server stops)."""
+    disconnect: bool = False
+    """Close the connection without sending anything."""
+    completion: bool = False
+    """A generated chat completion: fill in `id`, `created` and the request's `model`."""
+
+
+ReplyLike = Reply | Mapping[str, Any] | Callable[[dict[str, Any]], Any]
+
+
+def call(
+    name: str, arguments: Mapping[str, Any] | str | None = None, id: str | None = None
+) -> dict[str, Any]:
+    """One tool call in wire form, for `tool_reply`. A str `arguments` is sent verbatim."""
+    args = arguments if isinstance(arguments, str) else json.dumps(dict(arguments or {}))
+    return {
+        "id": id if id is not None else f"call_{uuid.uuid4().hex[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
+
+
+def text_reply(
+    content: str,
+    *,
+    reasoning: str | None = None,
+    finish_reason: str | None = "stop",
+    usage: Mapping[str, int] | None = None,
+) -> Reply:
+    """A plain assistant answer."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning"] = reasoning
+    return _completion(message, finish_reason, usage)
+
+
+def tool_reply(
+    *calls: Mapping[str, Any],
+    content: str | None = None,
+    finish_reason: str | None = "tool_calls",
+    usage: Mapping[str, int] | None = None,
+) -> Reply:
+    """An assistant turn with one or more (parallel) tool calls; build each with `call()`."""
+    message = {"role": "assistant", "content": content, "tool_calls": [dict(c) for c in calls]}
+    return _completion(message, finish_reason, usage)
+
+
+def _completion(
+    message: dict[str, Any], finish_reason: str | None, usage: Mapping[str, int] | None
+) -> Reply:
+    body = {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": dict(usage if usage is not None else DEFAULT_USAGE),
+    }
+    return Reply(body=body, completion=True)
+
+
+def http_error(status: int, body: Any = None, headers: Mapping[str, str] | None = None) -> Reply:
+    """An error status. `body`: None for an OpenAI-shaped error, a dict/list for JSON, a str for
+    text."""
+    if body is None:
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        body = _error_body(f"fake server error {status}", kind)
+    if isinstance(body, str):
+        return Reply(status=status, text=body, headers=dict(headers or {}))
+    return Reply(status=status, body=body, headers=dict(headers or {}))
+
+
+def _error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def raw_body(text: str, status: int = 200) -> Reply:
+    """Any text as the body (e.g. invalid JSON), with a JSON content type."""
+    return Reply(status=status, text=text)
+
+
+def hang(seconds: float, then: ReplyLike | None = None) -> Reply:
+    """Wait `seconds` before answering `then` (default: a 504). Cut short by server shutdown."""
+    after = _to_reply(then, {}) if then is not None else http_error(504)
+    return replace(after, delay=seconds)
+
+
+def disconnect() -> Reply:
+    """Close the connection without answering."""
+    return Reply(disconnect=True)
+
+
+def reply_from_spec(spec: Any) -> Reply:
+    """A Reply from a JSON spec (script mode); see the module docstring. ValueError if unknown."""
+    if isinstance(spec, str):
+        return text_reply(spec)
+    if not isinstance(spec, dict):
+        raise ValueError(f"a reply spec must be an object or a string, not {spec!r}")
+    if "hang" in spec:
+        then = reply_from_spec(spec["then"]) if "then" in spec else None
+        return hang(float(spec["hang"]), then)
+    if "text" in spec:
+        return text_reply(spec["text"], reasoning=spec.get("reasoning"))
+    if "tool_calls" in spec:
+        calls = [call(c["name"], c.get("arguments"), c.get("id")) for c in spec["tool_calls"]]
+        return tool_reply(*calls, content=spec.get("content"))
+    if "raw" in spec:
+        return raw_body(spec["raw"], int(spec.get("status", 200)))
+    if "status" in spec:
+        return http_error(int(spec["status"]), spec.get("body"), spec.get("headers"))
+    if spec.get("disconnect"):
+        return disconnect()
+    if "body" in spec:
+        return Reply(body=spec["body"])
+    raise ValueError(f"unknown reply spec {spec!r}")
+
+
+def _to_reply(reply: Any, request: dict[str, Any]) -> Reply:
+    if isinstance(reply, Reply):
+        return reply
+    if isinstance(reply, Mapping):
+        return Reply(body=dict(reply))
+    if callable(reply):
+        return _to_reply(reply(request), request)
+    raise TypeError(f"not a reply: {reply!r}")
+
+
+class FakeOpenAIServer:
+    """Scripted OpenAI-compatible server on 127.0.0.1 in a daemon thread (see the module doc)."""
+
+    def __init__(
+        self,
+        *replies: ReplyLike,
+        port: int = 0,
+        strict: bool = True,
+        requests_log: Path | str | None = None,
+    ) -> None:
+        self._queue: deque[ReplyLike] = deque(replies)
+        self._port = port
+        self._strict = strict
+        self._requests_log = Path(requests_log) if requests_log is not None else None
+        self._lock = threading.Condition()
+        self._requests: list[dict[str, Any]] = []
+        self._headers: list[dict[str, str]] = []
+        self._errors: list[str] = []
+        self._ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> FakeOpenAIServer:
+        """Bind and serve in a daemon thread. Returns self."""
+        if self._httpd is not None:
+            return self
+        handler = type("_BoundHandler", (_Handler,), {"fake": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="fake-openai-server",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; interrupts hanging replies. Safe to call twice."""
+        if self._httpd is None:
+            return
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self._httpd = None
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # --- script and inspection ---------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._httpd is None:
+            raise RuntimeError("the fake server is not running")
+        return int(self._httpd.server_address[1])
+
+    @property
+    def base_url(self) -> str:
+        """`http://127.0.0.1:PORT/v1`, what a client's base URL should be."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def enqueue(self, *replies: ReplyLike) -> None:
+        """Append replies to the script."""
+        with self._lock:
+            self._queue.extend(replies)
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """The JSON bodies received so far, in order (a copy)."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def request_headers(self) -> list[dict[str, str]]:
+        """The headers of each request (names lower-cased), in order (a copy)."""
+        with self._lock:
+            return [dict(h) for h in self._headers]
+
+    @property
+    def errors(self) -> list[str]:
+        """What went wrong on the server side: script ran out, rule violations, bad paths."""
+        with self._lock:
+            return list(self._errors)
+
+    @property
+    def pending(self) -> int:
+        """Replies not used yet."""
+        with self._lock:
+            return len(self._queue)
+
+    def wait_for_requests(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Block until at least `count` requests arrived; TimeoutError otherwise."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: len(self._requests) >= count, timeout):
+                raise TimeoutError(
+                    f"fake server got {len(self._requests)} request(s), expected {count}"
+                )
+            return list(self._requests)
+
+    def assert_complete(self) -> None:
+        """AssertionError if replies are left over or the server recorded errors."""
+        with self._lock:
+            problems = list(self._errors)
+            if self._queue:
+                problems.append(f"{len(self._queue)} scripted reply(ies) never requested")
+        if problems:
+            raise AssertionError("fake server: " + "; ".join(problems))
+
+    # --- serving (called from handler threads) -----------------------------------------------
+
+    def _record(self, body: dict[str, Any], headers: dict[str, str]) -> None:
+        with self._lock:
+            self._requests.append(body)
+            self._headers.append(headers)
+            self._lock.notify_all()
+            if self._requests_log is not None:
+                with self._requests_log.open("a", encoding="utf-8") as log:
+                    log.write(json.dumps(body) + "\n")
+
+    def _error(self, message: str) -> None:
+        logger.warning("fake server: %s", message)
+        with self._lock:
+            self._errors.append(message)
+
+    def _next_reply(self, request: dict[str, Any]) -> Reply:
+        with self._lock:
+            number = len(self._requests)
+            scripted = self._queue.popleft() if self._queue else None
+        if scripted is None:
+            message = f"the script ran out of replies (request #{number} got none)"
+            self._error(message)
+            return http_error(500, _error_body(f"fake server: {message}", "server_error"))
+        return self._finish(_to_reply(scripted, request), request)
+
+    def _finish(self, reply: Reply, request: dict[str, Any]) -> Reply:
+        if not reply.completion:
+            return reply
+        body = dict(reply.body)
+        body["id"] = f"chatcmpl-fake-{next(self._ids)}"
+        body["created"] = int(time.time())
+        body["model"] = request.get("model") if isinstance(request.get("model"), str) else ""
+        return replace(reply, body=body)
+
+    def _answer(self, path: str, request: Any, headers: dict[str, str]) -> Reply:
+        if path.rstrip("/") != ENDPOINT:
+            self._error(f"POST to unknown path {path}")
+            return http_error(404, _error_body(f"unknown path {path}"))
+        if not isinstance(request, dict):
+            self._error("request body is not a JSON object")
+            return http_error(400, _error_body("the body must be a JSON object"))
+        self._record(request, headers)
+        problem = _check_request(request) if self._strict else None
+        if problem is not None:
+            self._error(f"request #{len(self.requests)} rejected: {problem}")
+            return http_error(400, _error_body(problem))
+        return self._next_reply(request)
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True if the server is stopping."""
+        return self._stopping.wait(seconds) if seconds > 0 else self._stopping.is_set()
+
+
+def _check_request(request: dict[str, Any]) -> str | None:
+    """OpenAI's validation of the message list, with its own error texts."""
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty array"
+    if not isinstance(request.get("model"), str):
+        return "'model' must be a string"
+    open_ids: list[str] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"Invalid 'messages[{index}]': expected an object"
+        if message.get("role") == "tool":
+            if message.get("tool_call_id") not in open_ids:
+                return (
+                    "Invalid parameter: messages with role 'tool' must be a response to a "
+                    "preceeding message with 'tool_calls'."
+                )
+            open_ids.remove(message["tool_call_id"])
+            continue
+        if open_ids:
+            return _unanswered(open_ids)
+        open_ids = [tc.get("id") for tc in message.get("tool_calls") or () if isinstance(tc, dict)]
+    return _unanswered(open_ids) if open_ids else None
+
+
+def _unanswered(ids: Sequence[str]) -> str:
+    return (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to "
+        "each 'tool_call_id'. The following tool_call_ids did not have response messages: "
+        + ", ".join(str(i) for i in ids)
+    )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Turns HTTP into FakeOpenAIServer calls; one connection per request."""
+
+    fake: FakeOpenAIServer
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # a client that never sends its body cannot pin a thread forever
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        try:
+            request: Any = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            request = None
+        reply = self.fake._answer(self.path, request, headers)
+        self.close_connection = True
+        if self.fake._wait(reply.delay) or reply.disconnect:
+            return
+        self._send(reply)
+
+    def do_GET(self) -> None:
+        self.close_connection = True
+        if self.path.rstrip("/") == "/v1/models":
+            models = {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            self._send(Reply(body=models))
+        else:
+            self._send(http_error(404, _error_body(f"unknown path {self.path}")))
+
+    def _send(self, reply: Reply) -> None:
+        if reply.body is not None:
+            payload = json.dumps(reply.body).encode()
+        else:
+            payload = (reply.text or "").encode()
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Connection", "close")
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("fake server: the client left before the answer")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("fake server: %s", format % args)
+
+
+# --- script mode -----------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fakes.openai_server",
+        description="Serve scripted OpenAI chat-completions replies on 127.0.0.1.",
+    )
+    parser.add_argument("--script", required=True, type=Path, help="JSON list of reply specs")
+    parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    parser.add_argument("--requests-log", type=Path, help="append each request as a JSON line")
+    parser.add_argument(
+        "--no-strict", action="store_true", help="do not enforce OpenAI's message-order rules"
+    )
+    return parser.parse_args(argv)
+
+
+def _load_script(path: Path) -> list[Reply]:
+    specs = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(specs, list):
+        raise ValueError(f"{path}: the script must be a JSON list of reply specs")
+    return [reply_from_spec(spec) for spec in specs]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Script mode: serve until SIGTERM/SIGINT (or SIGKILL). Exit 2 on a bad script."""
+    args = _parse_args(argv)
+    try:
+        replies = _load_script(args.script)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        sys.stderr.write(f"error: cannot load {args.script}: {exc}\n")
+        return 2
+    done = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server = FakeOpenAIServer(
+        *replies, port=args.port, strict=not args.no_strict, requests_log=args.requests_log
+    )
+    with server:
+        sys.stdout.write(f"READY {server.base_url}\n")
+        sys.stdout.flush()
+        while not done.wait(0.5):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""InMemorySession: ids, round trips, ordering, defensive copies, clearing, thread safety."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+
+import pytest
+
+from fsm_kernel.protocol import Message, Role, ToolCall, ToolResult
+from fsm_kernel.session import InMemorySession, Session
+
+UUID7 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+
+
+def numbered(n: int) -> Message:
+    return Message.user(f"message {n}")
+
+
+def test_new_session_has_a_uuid7_id_and_no_messages() -> None:
+    session = InMemorySession()
+    assert UUID7.match(session.id)
+    assert session.messages() == []
+    assert len(session) == 0
+    assert isinstance(session, Session)
+
+
+def test_ids_are_unique() -> None:
+    assert len({InMemorySession().id for _ in range(50)}) == 50
+
+
+def test_id_is_stable_and_can_be_given() -> None:
+    session = InMemorySession()
+    assert session.id == session.id
+    session.add(numbered(1))
+    session.clear()
+    first = session.id
+    assert session.id == first
+    assert InMemorySession("run-42").id == "run-42"
+
+
+def test_initial_messages_are_copied() -> None:
+    initial = [numbered(1), numbered(2)]
+    session = InMemorySession(messages=initial)
+    initial.append(numbered(3))
+    assert session.messages() == [numbered(1), numbered(2)]
+
+
+def test_round_trip_keeps_every_field() -> None:
+    call = ToolCall(
+        id="call_9",
+        name="search",
+        arguments={"q": "x"},
+        raw_arguments='{"q": x}',
+        arguments_error="bad json",
+    )
+    message = Message(
+        role=Role.ASSISTANT,
+        content="thinking done",
+        tool_calls=(call,),
+        tool_call_id="call_8",
+        name="search",
+        reasoning="because",
+    )
+    session = InMemorySession()
+    session.add(message)
+    [stored] = session.messages()
+    assert stored == message
+    for f in dataclasses.fields(Message):
+        assert getattr(stored, f.name) == getattr(message, f.name)
+
+
+def test_messages_come_back_in_insertion_order() -> None:
+    session = InMemorySession()
+    for n in range(10):
+        session.add(numbered(n))
+    session.extend(numbered(n) for n in range(10, 15))
+    assert [m.content for m in session.messages()] == [f"message {n}" for n in range(15)]
+    assert len(session) == 15
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_each_role_is_stored(role: Role) -> None:
+    session = InMemorySession()
+    session.add(Message(role=role, content=f"a {role.value} message"))
+    [stored] = session.messages()
+    assert stored.role is role
+    assert stored.content == f"a {role.value} message"
+
+
+def test_tool_calls_and_tool_results() -> None:
+    calls = [
+        ToolCall(id="call_1", name="read_file", arguments={"path": "a.txt"}),
+        ToolCall(id="call_2", name="datetime"),
+    ]
+    session = InMemorySession()
+    session.add(Message.user("read a.txt and tell the time"))
+    session.add(Message.assistant(tool_calls=calls))
+    session.add(Message.tool(calls[0], ToolResult(content="contents")))
+    session.add(Message.tool(calls[1], ToolResult(content="now", is_error=False)))
+    stored = session.messages()
+    assert [m.role for m in stored] == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.TOOL]
+    assert stored[1].tool_calls == tuple(calls)
+    assert [(m.tool_call_id, m.name, m.content) for m in stored[2:]] == [
+        ("call_1", "read_file", "contents"),
+        ("call_2", "datetime", "now"),
+    ]
+
+
+def test_mutating_the_returned_list_does_not_change_the_session() -> None:
+    session = InMemorySession()
+    session.add(numbered(1))
+    returned = session.messages()
+    returned.append(numbered(2))
+    returned[0] = numbered(99)
+    returned.clear()
+    assert session.messages() == [numbered(1)]
+    assert session.messages() is not session.messages()
+
+
+def test_returned_tool_calls_cannot_be_mutated() -> None:
+    session = InMemorySession()
+    session.add(Message.assistant(tool_calls=[ToolCall(id="c", name="t")]))
+    [stored] = session.messages()
+    assert isinstance(stored.tool_calls, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stored.tool_calls = ()  # type: ignore[misc]  # the point of the test
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stored.tool_calls[0].name = "other"  # type: ignore[misc]
+    assert session.messages()[0].tool_calls == (ToolCall(id="c", name="t"),)
+
+
+def test_tool_call_arguments_are_copied_in_and_out() -> None:
+    arguments = {"path": "a.txt", "options": {"lines": [1, 2]}}
+    session = InMemorySession()
+    session.add(Message.assistant(tool_calls=[ToolCall(id="c", name="t", arguments=arguments)]))
+    arguments["path"] = "changed-by-caller"
+    [stored] = session.messages()
+    stored.tool_calls[0].arguments["path"] = "changed-by-reader"
+    stored.tool_calls[0].arguments["options"]["lines"].append(3)
+    assert session.messages()[0].tool_calls[0].arguments == {
+        "path": "a.txt",
+        "options": {"lines": [1, 2]},
+    }
+
+
+def test_clear_empties_the_session() -> None:
+    session = InMemorySession()
+    session.extend([numbered(1), numbered(2)])
+    session.clear()
+    assert session.messages() == []
+    assert len(session) == 0
+
+
+def test_add_after_clear() -> None:
+    session = InMemorySession()
+    session.extend([numbered(1), numbered(2)])
+    session.clear()
+    session.add(numbered(3))
+    assert session.messages() == [numbered(3)]
+
+
+def _run_threads(targets: list[threading.Thread]) -> None:
+    for t in targets:
+        t.start()
+    for t in targets:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in targets)
+
+
+def test_concurrent_adds_keep_every_message() -> None:
+    session = InMemorySession()
+    barrier = threading.Barrier(100)
+
+    def add(n: int) -> None:
+        barrier.wait()
+        for k in range(20):
+            session.add(Message.user(f"{n}-{k}"))
+
+    _run_threads([threading.Thread(target=add, args=(n,)) for n in range(100)])
+    contents = [m.content for m in session.messages()]
+    assert len(contents) == 2000
+    assert set(contents) == {f"{n}-{k}" for n in range(100) for k in range(20)}
+    for n in range(100):  # each thread's own messages stay in its order
+        mine = [c for c in contents if c.startswith(f"{n}-")]
+        assert mine == [f"{n}-{k}" for k in range(20)]
+
+
+def test_concurrent_add_and_read() -> None:
+    session = InMemorySession()
+    errors: list[BaseException] = []
+    seen_lengths: list[int] = []
+
+    def writer() -> None:
+        for k in range(500):
+            session.add(numbered(k))
+
+    def reader() -> None:
+        try:
+            last = 0
+            for _ in range(200):
+                snapshot = session.messages()
+                # A snapshot is always a prefix of the final history: never shorter than before.
+                assert len(snapshot) >= last
+                assert [m.content for m in snapshot] == [f"message {k}" for k in range(len(snapshot))]
+                last = len(snapshot)
+            seen_lengths.append(last)
+        except BaseException as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+            raise
+
+    _run_threads([threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(4)])
+    assert errors == []
+    assert len(seen_lengths) == 4
+    assert len(session) == 500
+
+
+def test_concurrent_add_and_clear() -> None:
+    session = InMemorySession()
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for k in range(200):
+                session.add(Message.user(f"{n}-{k}"))
+                session.extend([Message.user(f"{n}-{k}-x")])
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    def clearer() -> None:
+        try:
+            for _ in range(200):
+                session.clear()
+                len(session)
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    threads.append(threading.Thread(target=clearer))
+    _run_threads(threads)
+    assert errors == []
+    remaining = session.messages()
+    assert len(remaining) == len(session) <= 1600
+    session.clear()
+    session.add(numbered(1))
+    assert session.messages() == [numbered(1)]
