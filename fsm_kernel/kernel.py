@@ -209,6 +209,7 @@ class Kernel:
             return
         ctx.scratch["_recorded_iteration"] = ctx.iteration
         recorder.record(EventType.ITERATION_COMPLETED, _iteration_record(ctx, next_state))
+        ctx.summary = ""
 
     def _finish(
         self, ctx: RunContext, recorder: RunRecorder, reason: str, error: str | None

@@ -2,8 +2,226 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import sys
 from typing import Any
+
+from fsm_kernel.cli.output import cut
+from fsm_kernel.protocol import Event, EventType
+
+EXIT_OK, EXIT_FAIL = 0, 1
+
+
+def _store_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="LOCATION",
+                   help="event store (default FSM_KERNEL_STORE or .fsm-kernel/runs.db)")
 
 
 def register(sub: Any) -> None:
     """Add the event-log subcommands."""
+    from fsm_kernel.cli.commands import add_model_flags
+
+    runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
+    rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    p = rsub.add_parser("list", help="recent runs: id, workflow, start, iterations, reason, goal")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_runs_list)
+    p = rsub.add_parser("show", help="a run's iteration table and termination audit")
+    p.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    p.add_argument("--json", action="store_true")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_runs_show)
+    p = rsub.add_parser("events", help="a run's raw events")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_runs_events)
+    p = rsub.add_parser("export", help="write a run's events to a JSON Lines file")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.jsonl")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_runs_export)
+
+    p = sub.add_parser("resume", help="continue a run that did not finish (e.g. after a crash)",
+                       description="Rebuild a run from its events and continue it live from the "
+                       "last recorded step. Refused when the workflow file changed, unless --force.")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
+    p.add_argument("--force", action="store_true",
+                   help="resume even though the workflow file changed (records the new hash)")
+    add_model_flags(p)
+    p.set_defaults(handler=cmd_resume)
+
+    p = sub.add_parser("replay", help="re-run a recorded run from its log and compare transitions",
+                       description="Re-run the workflow with every model answer and tool output "
+                       "served from the log (no network, no tool side effects). Exit 0 when it "
+                       "takes the same transitions, 1 with the first differing step named.")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--workflow", help="an edited workflow to check against the recorded decisions")
+    p.add_argument("--json", action="store_true")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_replay)
+
+
+def _open(args: argparse.Namespace) -> Any:
+    from fsm_kernel.cli.commands import open_event_store
+
+    return open_event_store(args.store)
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        runs = store.list_runs(limit=args.limit)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in runs], ensure_ascii=False))
+        return EXIT_OK
+    if not runs:
+        print("no runs recorded yet", file=sys.stderr)
+        return EXIT_OK
+    print(f"{'RUN ID':36}  {'WORKFLOW':12}  {'STARTED':19}  {'ITER':>4}  {'REASON':16}  GOAL")
+    for r in runs:
+        print(f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
+              f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
+              f"{r.termination_reason or '(running)':16}  {cut(r.goal, 50)}")
+    return EXIT_OK
+
+
+def _audit(events: list[Event]) -> dict[str, Any]:
+    started = events[0].data if events else {}
+    terminated = next((e for e in events if e.type == EventType.RUN_TERMINATED), None)
+    last = next((e for e in reversed(events) if e.type == EventType.TRANSITION_TAKEN), None)
+    return {
+        "workflow": started.get("workflow"),
+        "workflow_path": started.get("workflow_path"),
+        "goal": started.get("goal"),
+        "reason": terminated.data.get("reason") if terminated else None,
+        "answer": terminated.data.get("answer") if terminated else None,
+        "error": terminated.data.get("error") if terminated else None,
+        "last_transition": last.data if last else None,
+        "resumed": sum(1 for e in events if e.type == EventType.RUN_RESUMED),
+        "events": len(events),
+    }
+
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        run_id = store.find_run(args.run_id)
+        events = store.read(run_id)
+    iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
+    audit = _audit(events)
+    if args.json:
+        print(json.dumps({"run_id": run_id, "iterations": iterations, "termination": audit},
+                         ensure_ascii=False))
+        return EXIT_OK
+    print(f"run {run_id}  workflow {audit['workflow']}  ({audit['events']} events)")
+    print(f"goal: {cut(audit['goal'] or '', 150)}\n")
+    print(f"{'STEP':>4}  {'DECISION':10}  {'TOOL':16}  {'INPUT':30}  {'OUTPUT':40}  ERROR")
+    for it in iterations:
+        _print_iteration(it)
+    print("\ntermination audit:")
+    print(f"  reason:          {audit['reason'] or '(not terminated: resume it)'}")
+    if audit["last_transition"]:
+        t = audit["last_transition"]
+        guard = f" [{t.get('guard')}]" if t.get("guard") else ""
+        print(f"  last transition: {t['source']} → {t['target']}{guard}")
+    if audit["error"]:
+        print(f"  error:           {audit['error']}")
+    if audit["answer"]:
+        print(f"  answer:          {cut(audit['answer'], 150)}")
+    if audit["resumed"]:
+        print(f"  resumed:         {audit['resumed']} time(s)")
+    return EXIT_OK
+
+
+def _print_iteration(it: dict[str, Any]) -> None:
+    tools = it.get("tools") or [{}]
+    for n, t in enumerate(tools):
+        step = str(it["step"]) if n == 0 else ""
+        decision = it["decision"] if n == 0 else ""
+        args = json.dumps(t.get("input"), ensure_ascii=False) if t else ""
+        output = ("✗ " if t.get("is_error") else "") + t.get("output", "") if t else cut(
+            it.get("answer", ""), 40)
+        error = cut(it.get("error") or "", 40) if n == 0 else ""
+        print(f"{step:>4}  {decision:10}  {cut(t.get('name', ''), 16):16}  {cut(args, 30):30}  "
+              f"{cut(output, 40):40}  {error}")
+    if it.get("summary"):
+        print(f"{'':>4}  {'':10}  {cut(it['summary'], 110)}")
+
+
+def cmd_runs_events(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        events = store.read(store.find_run(args.run_id))
+    for e in events:
+        if args.json:
+            print(json.dumps(e.to_dict(), ensure_ascii=False))
+        else:
+            print(f"{e.seq:>5}  {e.timestamp.strftime('%H:%M:%S.%f')[:-3]}  {e.iteration:>3}  "
+                  f"{e.type.value:20}  {e.state or '':12}  {cut(json.dumps(e.data), 100)}")
+    return EXIT_OK
+
+
+def cmd_runs_export(args: argparse.Namespace) -> int:
+    from fsm_kernel.store import export_run
+
+    with _open(args) as store:
+        count = export_run(store, store.find_run(args.run_id), args.output)
+    print(f"wrote {count} events to {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _recorded_workflow(store: Any, run_id: str, override: str | None) -> str:
+    from fsm_kernel.errors import ResumeError
+
+    if override:
+        return override
+    events = store.read(store.find_run(run_id))
+    path = events[0].data.get("workflow_path") if events else None
+    if not path:
+        raise ResumeError(f"run {run_id} recorded no workflow path; pass --workflow")
+    return str(path)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from fsm_kernel.cli import commands
+    from fsm_kernel.replay import resume_run
+
+    with _open(args) as store:
+        args.workflow = _recorded_workflow(store, args.run_id, args.workflow)
+    return commands.execute(
+        args, lambda kernel: resume_run(kernel, kernel.store, args.run_id, force=args.force)
+    )
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from fsm_kernel.cli.commands import load_spec
+    from fsm_kernel.replay import replay_run
+    from fsm_kernel.workflow.compiler import compile_workflow
+
+    with _open(args) as store:
+        spec = load_spec(_recorded_workflow(store, args.run_id, args.workflow))
+        report = asyncio.run(replay_run(compile_workflow(spec), store, args.run_id))
+    if args.json:
+        print(json.dumps(report.to_dict(), ensure_ascii=False))
+        return EXIT_OK if report.identical else EXIT_FAIL
+    for s in report.steps:
+        mark = "=" if s.same else "≠"
+        line = f"{mark} step {s.step:>3} (iteration {s.iteration}): {s.recorded or '(none)'}"
+        if not s.same:
+            line += f"   replayed: {s.replayed or '(none)'}"
+        print(line)
+    first = report.first_divergence
+    if report.identical:
+        print(f"identical: {len(report.steps)} transitions, reason {report.replayed_reason}, "
+              f"{report.model_calls} model answers served from the log, no model or tool called")
+        return EXIT_OK
+    if first is not None:
+        print(f"diverged at step {first.step} (iteration {first.iteration}): recorded "
+              f"{first.recorded or '(nothing)'}, replay took {first.replayed or '(nothing)'}")
+    else:
+        print(f"diverged: recorded reason {report.recorded_reason}, replay ended with "
+              f"{report.replayed_reason}")
+    return EXIT_FAIL

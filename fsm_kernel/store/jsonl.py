@@ -91,7 +91,11 @@ class JsonlEventStore:
         if not batch:
             return
         check_events(batch)
-        payload = b"".join(_encode_line(e) for e in batch)
+        lines = [_encode_line(e) for e in batch]
+        # Index what was written, decoded again: UTC timestamps and data the caller cannot
+        # mutate afterwards, exactly as a reopened store will see them.
+        stored = [_decode_line(line, f"{self.path}:append") for line in lines]
+        payload = b"".join(lines)
         with self._lock, self._flocked(fcntl.LOCK_EX):
             self._catch_up()
             self._check_conflicts(batch)
@@ -102,7 +106,7 @@ class JsonlEventStore:
             self._needs_newline = False
             self._offset += len(payload)
             self._lineno += len(batch)
-            self._index(batch)
+            self._index([e for e in stored if e is not None])
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""

@@ -16,7 +16,8 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, time as dt_time
+from datetime import date, datetime
+from datetime import time as dt_time
 from enum import Enum
 from pathlib import PurePath
 from types import ModuleType
@@ -41,6 +42,7 @@ __all__ = [
     "RegisteredTool",
     "ToolOptions",
     "ToolRegistry",
+    "build_tool",
     "collect_tools",
     "import_tools",
     "is_tool",
@@ -188,9 +190,7 @@ class RegisteredTool:
                 f"invalid arguments for {self.name!r}: {_describe_validation(exc)}",
                 tool_name=self.name,
             ) from exc
-        return {
-            name: getattr(model, f"p{i}") for i, name in enumerate(self.parameter_names)
-        }
+        return {name: getattr(model, f"p{i}") for i, name in enumerate(self.parameter_names)}
 
 
 class ToolRegistry:
@@ -406,7 +406,7 @@ def build_tool(func: Callable[..., Any], options: ToolOptions | None = None) -> 
         raise ConfigError(f"invalid tool name {name!r}: use 1-64 letters, digits, '_' or '-'")
     if options.timeout is not None and options.timeout <= 0:
         raise ConfigError(f"tool {name!r}: timeout must be positive, got {options.timeout}")
-    summary, arg_docs = _parse_docstring(inspect.getdoc(func) or "")
+    summary, arg_docs = _parse_docstring(inspect.getdoc(_unwrap_partial(func)) or "")
     params = _parameters(name, func)
     model = _arguments_model(name, func, params, arg_docs)
     return RegisteredTool(
@@ -459,11 +459,19 @@ def _arguments_model(
 
 
 def _type_hints(name: str, func: Callable[..., Any]) -> dict[str, Any]:
-    target = func if inspect.isfunction(func) or inspect.ismethod(func) else type(func).__call__
+    target = _unwrap_partial(func)
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target).__call__  # a callable object
     try:
         return get_type_hints(target, include_extras=True)
     except (NameError, TypeError, AttributeError) as exc:
         raise ConfigError(f"tool {name!r}: cannot resolve its type annotations: {exc}") from exc
+
+
+def _unwrap_partial(func: Callable[..., Any]) -> Callable[..., Any]:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func
 
 
 def _json_schema(name: str, model: type[pydantic.BaseModel]) -> dict[str, Any]:

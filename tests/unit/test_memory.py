@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ def test_loads_markdown_files_sorted_by_name(tmp_path: Path) -> None:
     memory = load_memory(tmp_path)
 
     assert memory == [
-        MemoryFile(name="a_identity.md", path=tmp_path / "a_identity.md", content="# Who\n\nAn agent."),
+        MemoryFile(
+            name="a_identity.md", path=tmp_path / "a_identity.md", content="# Who\n\nAn agent."
+        ),
         MemoryFile(name="b_tools.md", path=tmp_path / "b_tools.md", content="Use tools."),
     ]
 
@@ -73,16 +76,28 @@ def test_non_utf8_file_is_an_error_naming_the_file(tmp_path: Path) -> None:
     assert str(info.value) == f"memory file {str(bad)!r} is not valid UTF-8 (byte 3)"
 
 
-def test_unreadable_file_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    dangling = tmp_path / "dangling.md"
-    dangling.symlink_to(tmp_path / "gone.md")
-    # A dangling link is not a file: skipped rather than failing the run.
+def test_dangling_symlink_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "dangling.md").symlink_to(tmp_path / "gone.md")
     assert load_memory(tmp_path) == []
 
 
-def test_error_pickles_with_its_message() -> None:
-    import pickle
+def test_unreadable_file_is_an_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "locked.md"
+    locked.write_text("secret", encoding="utf-8")
 
+    def refuse(self: Path, *args: object, **kwargs: object) -> str:
+        # The tests run as root, where chmod 000 does not stop a read.
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(MemoryStoreError) as info:
+        load_memory(tmp_path)
+    assert str(info.value) == f"cannot read memory file {str(locked)!r}: Permission denied"
+
+
+def test_error_pickles_with_its_message() -> None:
     err = pickle.loads(pickle.dumps(MemoryStoreError("memory folder 'x' does not exist")))
     assert isinstance(err, MemoryStoreError)
     assert str(err) == "memory folder 'x' does not exist"
@@ -96,9 +111,7 @@ def test_build_system_prompt_appends_each_file_under_its_name() -> None:
     ]
     prompt = build_system_prompt("Be careful.\n", memory)
     assert prompt == (
-        "Be careful.\n\n"
-        "## identity.md\n\nYou are an agent.\n\n"
-        "## user.md\n\nThe user likes tea."
+        "Be careful.\n\n## identity.md\n\nYou are an agent.\n\n## user.md\n\nThe user likes tea."
     )
 
 

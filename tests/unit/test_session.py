@@ -203,14 +203,18 @@ def test_concurrent_add_and_read() -> None:
                 snapshot = session.messages()
                 # A snapshot is always a prefix of the final history: never shorter than before.
                 assert len(snapshot) >= last
-                assert [m.content for m in snapshot] == [f"message {k}" for k in range(len(snapshot))]
+                assert [m.content for m in snapshot] == [
+                    f"message {k}" for k in range(len(snapshot))
+                ]
                 last = len(snapshot)
             seen_lengths.append(last)
         except BaseException as exc:  # collected and re-raised in the main thread
             errors.append(exc)
             raise
 
-    _run_threads([threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(4)])
+    _run_threads(
+        [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(4)]
+    )
     assert errors == []
     assert len(seen_lengths) == 4
     assert len(session) == 500

@@ -81,9 +81,7 @@ def test_datetime_without_zone_uses_the_machine_local_time(registry: ToolRegistr
 
 
 @pytest.mark.parametrize("zone", ["Mars/Olympus_Mons", "../../etc/passwd", "Not A Zone"])
-def test_datetime_with_unknown_zone_is_an_argument_error(
-    registry: ToolRegistry, zone: str
-) -> None:
+def test_datetime_with_unknown_zone_is_an_argument_error(registry: ToolRegistry, zone: str) -> None:
     result = execute(registry, "datetime", timezone=zone)
     assert result.is_error
     assert result.error_type == "ToolArgumentsError"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import sys
 import threading
@@ -21,8 +21,8 @@ from fsm_kernel.protocol import Tool, ToolCall, ToolExecutor
 from fsm_kernel.tools import ToolRegistry, collect_tools, import_tools, is_tool, tool
 
 
-def call(name: str, **arguments: Any) -> ToolCall:
-    return ToolCall(id="call_1", name=name, arguments=arguments)
+def call(tool_name: str, /, **arguments: Any) -> ToolCall:
+    return ToolCall(id="call_1", name=tool_name, arguments=arguments)
 
 
 def run(registry: ToolRegistry, tool_call: ToolCall) -> Any:
@@ -432,6 +432,38 @@ def test_async_callable_object_is_awaited() -> None:
     registry.register(Greeter(), name="greet")
     assert registry.list_tools()[0].parameters["required"] == ["who"]
     assert run(registry, call("greet", who="bob")).content == "hi bob"
+
+
+def test_partial_keeps_the_wrapped_function_types_and_docstring() -> None:
+    def greet(name: str, greeting: str) -> str:
+        """Greet someone."""
+        return f"{greeting} {name}"
+
+    registry = ToolRegistry()
+    registry.register(functools.partial(greet, greeting="hello"), name="hello")
+    definition = registry.list_tools()[0]
+    assert definition.description == "Greet someone."
+    assert definition.parameters["properties"]["name"] == {"type": "string"}
+    assert definition.parameters["required"] == ["name"]
+    assert run(registry, call("hello", name="ann")).content == "hello ann"
+
+
+def test_bound_method_is_registered_without_self() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.total = 0
+
+        def bump(self, by: int) -> int:
+            """Add to the counter."""
+            self.total += by
+            return self.total
+
+    counter = Counter()
+    registry = ToolRegistry()
+    registry.register(counter.bump)
+    assert registry.list_tools()[0].parameters["required"] == ["by"]
+    assert run(registry, call("bump", by=3)).content == "3"
+    assert counter.total == 3
 
 
 def test_defaults_are_applied_and_lax_coercion_is_allowed() -> None:

@@ -1,0 +1,286 @@
+"""Resume and replay, both built on one idea: re-drive the workflow from the start of the run
+with the model's answers and the tools' outputs served from the event log.
+
+- resume: when the log runs out, the real model and tools take over and recording goes live, so
+  the run continues from its last recorded step (the step in flight at a crash is redone).
+- replay: nothing live at all (no network, no tool side effects); the transitions taken are
+  compared, step by step, with the recorded ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_kernel.errors import ReplayDivergenceError, ResumeError, RunNotFoundError
+from fsm_kernel.kernel import Kernel, RunResult
+from fsm_kernel.protocol import (
+    ChatModel,
+    Completion,
+    Event,
+    EventStore,
+    EventType,
+    Message,
+    Tool,
+    ToolCall,
+    ToolExecutor,
+    ToolResult,
+)
+from fsm_kernel.recorder import RunRecorder
+from fsm_kernel.workflow.compiler import CompiledWorkflow
+
+__all__ = [
+    "RecordedChatModel",
+    "RecordedRun",
+    "RecordedToolExecutor",
+    "ReplayReport",
+    "ReplayStep",
+    "replay_run",
+    "resume_run",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class RecordedChatModel:
+    """Serves the recorded model answers in order; then the live model, if there is one."""
+
+    def __init__(self, completions: Sequence[Completion], live: ChatModel | None = None) -> None:
+        self._queue = list(completions)
+        self.live = live
+        self.served = 0
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+        if self._queue:
+            self.served += 1
+            return self._queue.pop(0)
+        if self.live is None:
+            raise ReplayDivergenceError(
+                "the workflow asked the model more often than the recorded run did"
+            )
+        return await self.live.complete(messages, tools)
+
+
+class RecordedToolExecutor:
+    """Serves recorded tool results by call id; re-executes calls the log has no result for."""
+
+    def __init__(
+        self,
+        results: dict[str, ToolResult],
+        live: ToolExecutor | None = None,
+        *,
+        unfinished: dict[str, int] | None = None,
+    ) -> None:
+        self.results = results
+        self.live = live
+        self.unfinished = unfinished or {}
+
+    def list_tools(self, names: Sequence[str] | None = None) -> list[Tool]:
+        if self.live is not None:
+            return self.live.list_tools(names)
+        return [Tool(name=n) for n in names or ()]
+
+    async def execute(self, call: ToolCall) -> ToolResult:
+        if call.id in self.results:
+            return self.results[call.id]
+        if self.live is None:
+            raise ReplayDivergenceError(
+                f"the workflow called tool {call.name!r} (id {call.id}) that the recorded run "
+                "did not"
+            )
+        if call.id in self.unfinished:
+            logger.warning(
+                "re-executing tool %s (call %s): it started at seq %d but no result was recorded",
+                call.name,
+                call.id,
+                self.unfinished[call.id],
+            )
+        return await self.live.execute(call)
+
+
+@dataclass
+class RecordedRun:
+    """What the log holds of a run."""
+
+    run_id: str
+    events: list[Event]
+    started: Event
+    terminated: Event | None
+    completions: list[Completion] = field(default_factory=list)
+    results: dict[str, ToolResult] = field(default_factory=dict)
+    unfinished: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, store: EventStore, run_id: str) -> RecordedRun:
+        run_id = store.find_run(run_id)
+        events = store.read(run_id)
+        if not events or events[0].type != EventType.RUN_STARTED:
+            raise RunNotFoundError(f"run {run_id} has no run.started event", run_id=run_id)
+        run = cls(run_id, events, events[0], None)
+        started: dict[str, int] = {}
+        for e in events:
+            if e.type == EventType.MODEL_RESPONDED:
+                run.completions.append(Completion.from_dict(e.data["completion"]))
+            elif e.type == EventType.TOOL_STARTED:
+                started[e.data["call"]["id"]] = e.seq
+            elif e.type == EventType.TOOL_FINISHED and not e.data.get("malformed"):
+                run.results[e.data["call"]["id"]] = ToolResult.from_dict(e.data["result"])
+            elif e.type == EventType.RUN_TERMINATED:
+                run.terminated = e
+        run.unfinished = {cid: seq for cid, seq in started.items() if cid not in run.results}
+        return run
+
+    @property
+    def goal(self) -> str:
+        return str(self.started.data.get("goal", ""))
+
+    def replayable_events(self) -> list[Event]:
+        """The events a re-drive reproduces (everything but the run's start/resume markers)."""
+        skip = {EventType.RUN_STARTED, EventType.RUN_RESUMED}
+        return [e for e in self.events if e.type not in skip]
+
+    def transitions(self) -> list[Event]:
+        return [e for e in self.events if e.type == EventType.TRANSITION_TAKEN]
+
+
+async def resume_run(
+    kernel: Kernel, store: EventStore, run_id: str, *, force: bool = False
+) -> RunResult:
+    """Continue a run that did not terminate, from its last recorded step.
+
+    Raises:
+        RunNotFoundError: no such run.
+        ResumeError: it already terminated, or its workflow file changed (unless `force`).
+    """
+    run = RecordedRun.load(store, run_id)
+    if run.terminated is not None:
+        reason = run.terminated.data.get("reason")
+        raise ResumeError(f"run {run.run_id} already terminated ({reason})", run_id=run.run_id)
+    recorded_hash = run.started.data.get("workflow_hash")
+    new_hash = kernel.spec.content_hash
+    if recorded_hash != new_hash and not force:
+        raise ResumeError(
+            f"the workflow changed since run {run.run_id} started (sha256 {str(recorded_hash)[:12]}"
+            f" → {new_hash[:12]}); resume with --force to continue under the new file",
+            run_id=run.run_id,
+        )
+    for call_id, seq in run.unfinished.items():
+        logger.warning("tool call %s started (seq %d) without a result: it will run again",
+                       call_id, seq)
+    next_seq = max(e.seq for e in run.events) + 1
+    resumed: dict[str, Any] = {
+        "workflow_hash": new_hash,
+        "forced": recorded_hash != new_hash,
+        "settings": kernel.settings,
+        "rerun_tool_calls": sorted(run.unfinished),
+        "iteration": max((e.iteration for e in run.events), default=0),
+    }
+    marker = RunRecorder(run.run_id, store, clock=kernel.clock, next_seq=next_seq,
+                         on_event=kernel.on_event)
+    marker.record(EventType.RUN_RESUMED, resumed)
+    live_model, live_tools = kernel.model, kernel.tools
+    kernel.model = RecordedChatModel(run.completions, live_model)
+    kernel.tools = RecordedToolExecutor(run.results, live_tools, unfinished=run.unfinished)
+    try:
+        recorder = RunRecorder(
+            run.run_id,
+            store,
+            clock=kernel.clock,
+            expected=run.replayable_events(),
+            next_seq=next_seq + 1,
+            on_event=kernel.on_event,
+        )
+        ctx = kernel.new_context(run.run_id, run.goal, recorder)
+        machine = kernel.workflow.instantiate(ctx)
+        recorder.state = machine.state
+        recorder.record(EventType.STATE_ENTERED, {})
+        return await kernel.drive(ctx, machine, recorder)
+    finally:
+        kernel.model, kernel.tools = live_model, live_tools
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    step: int
+    iteration: int
+    recorded: str | None
+    replayed: str | None
+
+    @property
+    def same(self) -> bool:
+        return self.recorded == self.replayed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "iteration": self.iteration, "recorded": self.recorded,
+                "replayed": self.replayed, "same": self.same}
+
+
+@dataclass
+class ReplayReport:
+    run_id: str
+    steps: list[ReplayStep]
+    recorded_reason: str | None
+    replayed_reason: str
+    model_calls: int
+    error: str | None = None
+
+    @property
+    def identical(self) -> bool:
+        return all(s.same for s in self.steps) and (
+            self.recorded_reason is None or self.recorded_reason == self.replayed_reason
+        )
+
+    @property
+    def first_divergence(self) -> ReplayStep | None:
+        return next((s for s in self.steps if not s.same), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "run_id": self.run_id,
+            "identical": self.identical,
+            "first_divergence": first.to_dict() if first else None,
+            "recorded_reason": self.recorded_reason,
+            "replayed_reason": self.replayed_reason,
+            "model_calls_served": self.model_calls,
+            "steps": [s.to_dict() for s in self.steps],
+            "error": self.error,
+        }
+
+
+def _label(event: Event) -> str:
+    d = event.data
+    guard = f" [{d['guard']}]" if d.get("guard") else ""
+    reason = f" → {d['reason']}" if d.get("reason") else ""
+    return f"{d['source']} → {d['target']}{guard}{reason}"
+
+
+async def replay_run(
+    workflow: CompiledWorkflow, store: EventStore, run_id: str
+) -> ReplayReport:
+    """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions."""
+    run = RecordedRun.load(store, run_id)
+    model = RecordedChatModel(run.completions)
+    kernel = Kernel(workflow, model=model, tools=RecordedToolExecutor(run.results),
+                    tool_names=run.started.data.get("settings", {}).get("tools"))
+    result = await kernel.run(run.goal, run_id=run.run_id)
+    replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
+    recorded = run.transitions()
+    if run.terminated is None:  # a killed run: compare the part that was recorded
+        replayed = replayed[: len(recorded)]
+    steps = []
+    for i in range(max(len(recorded), len(replayed))):
+        rec = recorded[i] if i < len(recorded) else None
+        rep = replayed[i] if i < len(replayed) else None
+        anchor = rec or rep
+        steps.append(ReplayStep(
+            step=i + 1,
+            iteration=anchor.iteration if anchor else 0,
+            recorded=_label(rec) if rec else None,
+            replayed=_label(rep) if rep else None,
+        ))
+    recorded_reason = run.terminated.data.get("reason") if run.terminated else None
+    return ReplayReport(run.run_id, steps, recorded_reason, result.termination_reason,
+                        model.served, result.error)

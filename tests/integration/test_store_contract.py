@@ -1,0 +1,450 @@
+"""The EventStore contract: one set of test bodies run against every backend (SQLite and JSONL
+files in tmp_path, and a real PostgreSQL database from tests/pg.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError
+from fsm_kernel.protocol import Event, EventStore, EventType
+from fsm_kernel.store import (
+    AnyEventStore,
+    JsonlEventStore,
+    PostgresEventStore,
+    SqliteEventStore,
+    export_run,
+    import_events,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+T0 = datetime(2026, 3, 1, 12, 0, 0, 250000, tzinfo=UTC)
+_CLASSES: dict[str, Callable[[str], AnyEventStore]] = {
+    "sqlite": SqliteEventStore,
+    "jsonl": JsonlEventStore,
+    "postgres": PostgresEventStore,
+}
+
+
+@dataclass
+class Backend:
+    kind: str
+    location: str
+
+    def open(self) -> AnyEventStore:
+        return _CLASSES[self.kind](self.location)
+
+
+BACKENDS = ["sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    kind: str = request.param
+    if kind == "postgres":
+        return Backend(kind, request.getfixturevalue("pg_dsn"))
+    suffix = "db" if kind == "sqlite" else "jsonl"
+    return Backend(kind, str(tmp_path / "store" / f"events.{suffix}"))
+
+
+@pytest.fixture
+def store(backend: Backend) -> Iterator[AnyEventStore]:
+    with backend.open() as opened:
+        yield opened
+
+
+def ev(
+    run_id: str,
+    seq: int,
+    type_: EventType = EventType.STATE_ENTERED,
+    *,
+    iteration: int = 0,
+    data: dict[str, Any] | None = None,
+    ts: datetime | None = None,
+    state: str | None = "think",
+) -> Event:
+    return Event(
+        run_id=run_id,
+        seq=seq,
+        type=type_,
+        timestamp=ts or T0 + timedelta(seconds=seq),
+        iteration=iteration,
+        state=state,
+        data=data if data is not None else {"n": seq},
+    )
+
+
+def started(run_id: str, *, ts: datetime = T0, workflow: str = "default", goal: str = "g") -> Event:
+    data = {"workflow": workflow, "goal": goal}
+    return ev(run_id, 1, EventType.RUN_STARTED, data=data, ts=ts, state=None)
+
+
+def seqs(store: EventStore, run_id: str) -> list[int]:
+    return [e.seq for e in store.read(run_id)]
+
+
+def test_append_and_read_back_in_seq_order(store: AnyEventStore) -> None:
+    first = [started("r1"), ev("r1", 2)]
+    later = [ev("r1", 4), ev("r1", 3)]  # a batch need not be sorted
+    store.append(first)
+    store.append([])
+    store.append(later)
+
+    events = store.read("r1")
+
+    assert [e.seq for e in events] == [1, 2, 3, 4]
+    assert events == [*first, later[1], later[0]]
+
+
+def test_events_of_several_runs_are_kept_apart(store: AnyEventStore) -> None:
+    store.append([started("a"), started("b")])
+    store.append([ev("a", 2), ev("b", 2), ev("a", 3)])
+
+    assert seqs(store, "a") == [1, 2, 3]
+    assert seqs(store, "b") == [1, 2]
+    assert {e.run_id for e in store.read("b")} == {"b"}
+    assert store.read("unknown") == []
+
+
+def test_conflicting_append_is_refused_and_writes_nothing(store: AnyEventStore) -> None:
+    store.append([started("r"), ev("r", 2)])
+    before = store.list_runs()
+    batch = [
+        ev("r", 3, EventType.ITERATION_COMPLETED, iteration=1),
+        ev("r", 2, data={"other": True}),
+        ev("r", 4, EventType.RUN_TERMINATED, data={"reason": "done"}),
+        ev("fresh", 1),
+    ]
+
+    with pytest.raises(StoreConflictError, match=r"seq 2\b"):
+        store.append(batch)
+
+    assert seqs(store, "r") == [1, 2]
+    assert store.read("r")[1].data == {"n": 2}
+    assert store.read("fresh") == []
+    assert store.list_runs() == before  # the runs row moved in the same transaction
+    assert store.next_seq("r") == 3
+
+
+def test_same_seq_twice_in_one_batch_is_a_conflict(store: AnyEventStore) -> None:
+    with pytest.raises(StoreConflictError, match="twice"):
+        store.append([started("r"), ev("r", 2), ev("r", 2)])
+
+    assert store.read("r") == []
+    assert store.list_runs() == []
+
+
+def test_batch_with_unstorable_data_writes_nothing(store: AnyEventStore) -> None:
+    store.append([started("r")])
+
+    with pytest.raises(StoreError, match="plain JSON"):
+        store.append([ev("r", 2), ev("r", 3, data={"x": float("nan")})])
+    with pytest.raises(StoreError, match="plain JSON"):
+        store.append([ev("r", 2, data={"x": object()})])
+    with pytest.raises(StoreError, match="timezone-aware"):
+        store.append([ev("r", 2, ts=datetime(2026, 1, 1))])  # noqa: DTZ001 - the point
+    with pytest.raises(StoreError, match="seq must be"):
+        store.append([ev("r", 0)])
+
+    assert seqs(store, "r") == [1]
+
+
+def test_next_seq(store: AnyEventStore) -> None:
+    assert store.next_seq("r") == 1
+    store.append([started("r"), ev("r", 2)])
+    assert store.next_seq("r") == 3
+    store.append([ev("r", 7)])
+    assert store.next_seq("r") == 8
+    assert store.next_seq("other") == 1
+
+
+def test_list_runs_newest_first_with_iterations_and_reason(store: AnyEventStore) -> None:
+    hour = timedelta(hours=1)
+    plus2 = timezone(timedelta(hours=2))
+    store.append([started("mid", ts=T0 + hour, workflow="react", goal="find x")])
+    store.append([started("new", ts=T0 + 2 * hour, workflow="plan", goal="ship")])
+    # Local time 13:30+02:00 is 11:30 UTC: the oldest, whatever its text says.
+    store.append([started("old", ts=(T0 - 0.5 * hour).astimezone(plus2), goal="")])
+    store.append([ev("mid", 2, EventType.ITERATION_COMPLETED, iteration=1)])
+    store.append([ev("mid", 3, iteration=9), ev("mid", 4, EventType.ITERATION_COMPLETED, iteration=2)])
+    store.append([ev("mid", 5, EventType.RUN_TERMINATED, data={"reason": "done"})])
+    store.append([ev("new", 2, EventType.ITERATION_COMPLETED, iteration=1)])
+
+    runs = store.list_runs()
+
+    assert [r.run_id for r in runs] == ["new", "mid", "old"]
+    mid = runs[1]
+    assert (mid.workflow, mid.goal, mid.iterations) == ("react", "find x", 2)
+    assert mid.termination_reason == "done"
+    assert mid.started_at == T0 + hour
+    assert (runs[0].iterations, runs[0].termination_reason) == (1, None)
+    assert (runs[2].iterations, runs[2].goal) == (0, "")
+    assert [r.run_id for r in store.list_runs(limit=2)] == ["new", "mid"]
+    assert store.list_runs(limit=0) == []
+
+
+def test_run_seen_before_its_start_event_is_listed(store: AnyEventStore) -> None:
+    store.append([ev("r", 2, EventType.ITERATION_COMPLETED, iteration=3, ts=T0)])
+    assert [(r.workflow, r.iterations) for r in store.list_runs()] == [("", 3)]
+
+    store.append([started("r", ts=T0 - timedelta(seconds=5), workflow="late")])
+
+    (run,) = store.list_runs()
+    assert (run.workflow, run.iterations, run.started_at) == ("late", 3, T0 - timedelta(seconds=5))
+
+
+def test_find_run_by_id_and_unique_prefix(store: AnyEventStore) -> None:
+    ids = ["0199aaaa-1111", "0199aaaa-2222", "0199bbbb-3333", "run1", "run10"]
+    store.append([started(run_id) for run_id in ids])
+
+    assert store.find_run("0199b") == "0199bbbb-3333"
+    assert store.find_run("0199aaaa-2222") == "0199aaaa-2222"
+    assert store.find_run(" 0199aaaa-1 ") == "0199aaaa-1111"
+    assert store.find_run("run1") == "run1"  # an exact id wins over longer ids it prefixes
+    assert store.find_run("run10") == "run10"
+
+
+def test_find_run_unknown_or_ambiguous(store: AnyEventStore) -> None:
+    store.append([started(run_id) for run_id in ("0199aaaa-1111", "0199aaaa-2222", "x%_y")])
+
+    with pytest.raises(RunNotFoundError, match="ambiguous") as ambiguous:
+        store.find_run("0199a")
+    assert "0199aaaa-1111" in str(ambiguous.value)
+    assert "0199aaaa-2222" in str(ambiguous.value)
+    with pytest.raises(RunNotFoundError, match="no run"):
+        store.find_run("zzz")
+    with pytest.raises(RunNotFoundError):
+        store.find_run("   ")
+    with pytest.raises(RunNotFoundError):
+        store.find_run("x_")  # no LIKE wildcards: '_' is a plain character
+    assert store.find_run("x%") == "x%_y"
+
+
+def test_ambiguous_prefix_lists_a_bounded_number_of_candidates(store: AnyEventStore) -> None:
+    store.append([started(f"run-{i:02d}") for i in range(15)])
+
+    with pytest.raises(RunNotFoundError) as info:
+        store.find_run("run-")
+
+    message = str(info.value)
+    assert "run-00" in message
+    assert "run-09" in message
+    assert "run-10" not in message
+    assert message.endswith("...")
+
+
+def test_concurrent_threads_appending_to_different_runs(store: AnyEventStore) -> None:
+    threads, per_thread = 8, 50
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            barrier.wait()
+            for seq in range(1, per_thread + 1):
+                store.append([ev(f"t{n}", seq, iteration=seq)])
+        except BaseException as exc:  # handed to the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+    assert errors == []
+    for n in range(threads):
+        assert seqs(store, f"t{n}") == list(range(1, per_thread + 1))
+    assert len(store.list_runs(limit=100)) == threads
+
+
+def test_racing_writers_of_one_seq_exactly_one_wins(backend: Backend) -> None:
+    writers = 6
+    stores = [backend.open() for _ in range(writers)]  # separate connections / descriptors
+    barrier = threading.Barrier(writers)
+    outcomes: list[str] = []
+
+    def work(n: int) -> None:
+        barrier.wait()
+        try:
+            stores[n].append([ev("race", 1, data={"writer": n})])
+            outcomes.append("won")
+        except StoreConflictError:
+            outcomes.append("conflict")
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(writers)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    try:
+        assert sorted(outcomes) == ["conflict"] * (writers - 1) + ["won"]
+        assert len(stores[0].read("race")) == 1
+    finally:
+        for opened in stores:
+            opened.close()
+
+
+_WRITER = """
+import sys
+from datetime import UTC, datetime
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.store import JsonlEventStore, PostgresEventStore, SqliteEventStore
+
+kind, location, run_id, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+cls = {"sqlite": SqliteEventStore, "jsonl": JsonlEventStore, "postgres": PostgresEventStore}[kind]
+with cls(location) as store:
+    for seq in range(1, count + 1):
+        store.append([Event(run_id=run_id, seq=seq, type=EventType.STATE_ENTERED,
+                            timestamp=datetime.now(UTC), data={"pid": run_id})])
+"""
+
+
+def test_two_processes_appending_to_one_store(backend: Backend) -> None:
+    backend.open().close()  # as the kernel does: the schema exists before workers start
+    count = 150
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, backend.kind, backend.location, f"p{n}", str(count)],
+            cwd=REPO,
+            env=dict(os.environ),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+
+    with backend.open() as store:
+        for n in range(2):
+            assert seqs(store, f"p{n}") == list(range(1, count + 1))
+
+
+def test_reopened_store_reads_everything_back(backend: Backend) -> None:
+    with backend.open() as store:
+        store.append([started("r", workflow="react", goal="keep me")])
+        store.append([ev("r", 2, EventType.ITERATION_COMPLETED, iteration=1)])
+        store.append([ev("r", 3, EventType.RUN_TERMINATED, data={"reason": "final_answer"})])
+        expected = store.read("r")
+    with pytest.raises(StoreError, match="closed"):
+        store.read("r")
+    store.close()  # idempotent
+
+    with backend.open() as reopened:
+        assert reopened.read("r") == expected
+        (run,) = reopened.list_runs()
+        assert (run.goal, run.iterations, run.termination_reason) == ("keep me", 1, "final_answer")
+        assert reopened.next_seq("r") == 4
+        assert reopened.find_run("r") == "r"
+
+
+def test_opening_twice_is_fine_and_both_see_the_same_log(backend: Backend) -> None:
+    with backend.open() as first, backend.open() as second:
+        first.append([started("r")])
+        second.append([ev("r", 2)])
+
+        assert seqs(first, "r") == [1, 2]
+        assert seqs(second, "r") == [1, 2]
+        with pytest.raises(StoreConflictError):
+            first.append([ev("r", 2)])
+    with backend.open() as third:
+        assert seqs(third, "r") == [1, 2]
+
+
+def test_round_trip_of_every_field(store: AnyEventStore) -> None:
+    ist = timezone(timedelta(hours=5, minutes=30))
+    data = {
+        "text": "naïve café — 日本語 🚀 \"quoted\" back\\slash\nnew line\ttab",
+        "nested": {"list": [1, 2.5, None, True, False, "x", {"deep": ["é"]}], "empty": {}},
+        "big": 2**62,
+        "small": -7,
+        "float": 0.1,
+        "tiny": 1e-7,
+        "none": None,
+        "clé ünïcode": [],
+    }
+    run_id = "run-ü-🚀"
+    events = [
+        Event(
+            run_id=run_id,
+            seq=seq,
+            type=type_,
+            timestamp=datetime(2026, 7, 4, 23, 59, 59, 999999, tzinfo=ist) + timedelta(days=seq),
+            iteration=seq * 3,
+            state=None if seq % 2 else f"état-{seq} ✓",
+            data={**data, "type": type_.value},
+        )
+        for seq, type_ in enumerate(EventType, start=1)
+    ]
+
+    store.append(events)
+    back = store.read(run_id)
+
+    assert back == events
+    assert [e.type for e in back] == list(EventType)
+    assert all(e.timestamp.utcoffset() == timedelta(0) for e in back)
+    assert back[0].timestamp.microsecond == 999999
+    assert store.find_run("run-ü") == run_id
+
+
+def _other(kind: str, tmp_path: Path) -> AnyEventStore:
+    if kind == "sqlite":
+        return JsonlEventStore(tmp_path / "copy" / "events.jsonl")
+    return SqliteEventStore(tmp_path / "copy" / "events.db")
+
+
+def test_export_to_jsonl_and_import_elsewhere(
+    store: AnyEventStore, backend: Backend, tmp_path: Path
+) -> None:
+    events = [
+        started("keep", workflow="react", goal="ünïcode goal"),
+        ev("keep", 2, data={"nested": {"a": [1, {"b": None}]}}),
+        ev("keep", 3, EventType.ITERATION_COMPLETED, iteration=1),
+        ev("keep", 4, EventType.RUN_TERMINATED, data={"reason": "done"}),
+    ]
+    store.append([*events, started("skip")])
+    target_file = tmp_path / "exports" / "keep.jsonl"
+
+    assert export_run(store, "keep", target_file) == 4
+
+    with _other(backend.kind, tmp_path) as other:
+        assert import_events(other, target_file) == 4
+        assert other.read("keep") == events
+        assert other.read("skip") == []
+        assert other.list_runs() == [r for r in store.list_runs() if r.run_id == "keep"]
+        with pytest.raises(StoreConflictError):
+            import_events(other, target_file)
+        assert len(other.read("keep")) == 4
+
+
+def test_import_into_this_backend(store: AnyEventStore, tmp_path: Path) -> None:
+    events = [started("imp"), ev("imp", 2), ev("imp", 3, EventType.ITERATION_COMPLETED, iteration=1)]
+    with SqliteEventStore(tmp_path / "src.db") as source:
+        source.append(events)
+        export_run(source, "imp", tmp_path / "imp.jsonl")
+
+    assert import_events(store, tmp_path / "imp.jsonl") == 3
+    assert store.read("imp") == events
+    assert store.list_runs()[0].iterations == 1
+
+
+def test_export_of_an_unknown_run(store: AnyEventStore, tmp_path: Path) -> None:
+    with pytest.raises(RunNotFoundError):
+        export_run(store, "nope", tmp_path / "nope.jsonl")
+    assert not (tmp_path / "nope.jsonl").exists()
+
+
+def test_list_runs_rejects_a_negative_limit(store: AnyEventStore) -> None:
+    with pytest.raises(ValueError, match="limit"):
+        store.list_runs(limit=-1)
