@@ -58,8 +58,9 @@ def resolve_workflow(name_or_path: str | Path) -> Path:
         if candidate.is_file():
             return candidate
     names = ", ".join(n for n, _ in list_stock_workflows()) or "none"
-    raise WorkflowValidationError(f"{name_or_path}: no such workflow file or stock workflow "
-                                  f"(stock: {names})")
+    raise WorkflowValidationError(
+        f"{name_or_path}: no such workflow file or stock workflow (stock: {names})"
+    )
 
 
 def list_stock_workflows() -> list[tuple[str, str]]:
@@ -76,18 +77,21 @@ def list_stock_workflows() -> list[tuple[str, str]]:
     return out
 
 
-def agent_settings(spec: WorkflowSpec, options: RunOptions,
-                   environ: Mapping[str, str] | None = None) -> AgentSettings:
+def agent_settings(
+    spec: WorkflowSpec, options: RunOptions, environ: Mapping[str, str] | None = None
+) -> AgentSettings:
     """Defaults < workflow `agent:` block < environment < options."""
     settings = AgentSettings().merged(spec.agent.model_dump())
     settings = settings.merged(agent_settings_from_env(environ))
-    return settings.merged({
-        "model": options.model,
-        "base_url": options.base_url,
-        "api_key": options.api_key,
-        "request_timeout": options.request_timeout,
-        "max_retries": options.max_retries,
-    })
+    return settings.merged(
+        {
+            "model": options.model,
+            "base_url": options.base_url,
+            "api_key": options.api_key,
+            "request_timeout": options.request_timeout,
+            "max_retries": options.max_retries,
+        }
+    )
 
 
 def _memory_dir(spec: WorkflowSpec, options: RunOptions) -> Path | None:
@@ -118,8 +122,9 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
             try:
                 funcs = import_tools(entry)
             except ConfigError as exc:
-                raise WorkflowValidationError(exc.message, location=spec.location("tools", i)) \
-                    from None
+                raise WorkflowValidationError(
+                    exc.message, location=spec.location("tools", i)
+                ) from None
             offered += [registry.register(f).name for f in funcs]
         elif entry in registry:
             offered.append(entry)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextvars import ContextVar
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 

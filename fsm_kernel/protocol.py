@@ -154,9 +154,7 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: dict[str, Any] = field(
-        default_factory=lambda: {"type": "object", "properties": {}}
-    )
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
@@ -403,4 +401,3 @@ class SystemClock:
 
     def monotonic(self) -> float:
         return time.monotonic()
-

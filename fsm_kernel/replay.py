@@ -167,8 +167,9 @@ async def resume_run(
             run_id=run.run_id,
         )
     for call_id, seq in run.unfinished.items():
-        logger.warning("tool call %s started (seq %d) without a result: it will run again",
-                       call_id, seq)
+        logger.warning(
+            "tool call %s started (seq %d) without a result: it will run again", call_id, seq
+        )
     next_seq = max(e.seq for e in run.events) + 1
     resumed: dict[str, Any] = {
         "workflow_hash": new_hash,
@@ -177,8 +178,9 @@ async def resume_run(
         "rerun_tool_calls": sorted(run.unfinished),
         "iteration": max((e.iteration for e in run.events), default=0),
     }
-    marker = RunRecorder(run.run_id, store, clock=kernel.clock, next_seq=next_seq,
-                         on_event=kernel.on_event)
+    marker = RunRecorder(
+        run.run_id, store, clock=kernel.clock, next_seq=next_seq, on_event=kernel.on_event
+    )
     marker.record(EventType.RUN_RESUMED, resumed)
     live_model, live_tools = kernel.model, kernel.tools
     kernel.model = RecordedChatModel(run.completions, live_model)
@@ -213,8 +215,13 @@ class ReplayStep:
         return self.recorded == self.replayed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "iteration": self.iteration, "recorded": self.recorded,
-                "replayed": self.replayed, "same": self.same}
+        return {
+            "step": self.step,
+            "iteration": self.iteration,
+            "recorded": self.recorded,
+            "replayed": self.replayed,
+            "same": self.same,
+        }
 
 
 @dataclass
@@ -257,14 +264,16 @@ def _label(event: Event) -> str:
     return f"{d['source']} → {d['target']}{guard}{reason}"
 
 
-async def replay_run(
-    workflow: CompiledWorkflow, store: EventStore, run_id: str
-) -> ReplayReport:
+async def replay_run(workflow: CompiledWorkflow, store: EventStore, run_id: str) -> ReplayReport:
     """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions."""
     run = RecordedRun.load(store, run_id)
     model = RecordedChatModel(run.completions)
-    kernel = Kernel(workflow, model=model, tools=RecordedToolExecutor(run.results),
-                    tool_names=run.started.data.get("settings", {}).get("tools"))
+    kernel = Kernel(
+        workflow,
+        model=model,
+        tools=RecordedToolExecutor(run.results),
+        tool_names=run.started.data.get("settings", {}).get("tools"),
+    )
     result = await kernel.run(run.goal, run_id=run.run_id)
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()
@@ -275,12 +284,15 @@ async def replay_run(
         rec = recorded[i] if i < len(recorded) else None
         rep = replayed[i] if i < len(replayed) else None
         anchor = rec or rep
-        steps.append(ReplayStep(
-            step=i + 1,
-            iteration=anchor.iteration if anchor else 0,
-            recorded=_label(rec) if rec else None,
-            replayed=_label(rep) if rep else None,
-        ))
+        steps.append(
+            ReplayStep(
+                step=i + 1,
+                iteration=anchor.iteration if anchor else 0,
+                recorded=_label(rec) if rec else None,
+                replayed=_label(rep) if rep else None,
+            )
+        )
     recorded_reason = run.terminated.data.get("reason") if run.terminated else None
-    return ReplayReport(run.run_id, steps, recorded_reason, result.termination_reason,
-                        model.served, result.error)
+    return ReplayReport(
+        run.run_id, steps, recorded_reason, result.termination_reason, model.served, result.error
+    )

@@ -8,7 +8,9 @@ pytest_plugins = ["tests.pg"]
 
 
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+def _isolated_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # A dead port: a test that forgot its fake server fails fast instead of calling a provider.
     monkeypatch.setenv("FSM_KERNEL_BASE_URL", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("FSM_KERNEL_MAX_RETRIES", "0")

@@ -59,8 +59,19 @@ class _Cluster:
             f"-p {self.port} -k {self.root} -c listen_addresses='' -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
         )
-        run([self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "log"), "-w", "-o", opts,
-             "start"])
+        run(
+            [
+                self.pg_ctl,
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.root / "log"),
+                "-w",
+                "-o",
+                opts,
+                "start",
+            ]
+        )
         return f"host={self.root} port={self.port} user=postgres dbname=postgres"
 
     def stop(self) -> None:

@@ -152,7 +152,7 @@ class HttpChatModel:
         """The server's Retry-After when it sent one, else exponential backoff with jitter
         (openai-python's constants: 0.5 s, doubling, capped at 8 s, jitter shortens by <= 25%)."""
         retry_after = exc.retry_after if isinstance(exc, AgentHTTPError) else None
-        if False:
+        if retry_after is not None and retry_after > 0:
             return min(retry_after, MAX_RETRY_AFTER)
         backoff = min(INITIAL_RETRY_DELAY * 2**attempt, MAX_RETRY_DELAY)
         return backoff * (1 - 0.25 * self._random())

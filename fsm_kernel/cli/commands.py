@@ -43,24 +43,51 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The model/server flags shared by run and resume."""
     g = p.add_argument_group("model server (flags > FSM_KERNEL_* env > workflow agent: block)")
     g.add_argument("--model", help="model name (default qwen3)")
-    g.add_argument("--base-url", help="OpenAI-compatible base URL (default Ollama's "
-                   "http://localhost:11434/v1)")
-    g.add_argument("--request-timeout", type=float, metavar="SECONDS",
-                   help="seconds to wait for one model answer (default 120)")
-    g.add_argument("--max-retries", type=int, metavar="N",
-                   help="retries on connection errors, 429 and 5xx (default 3)")
+    g.add_argument(
+        "--base-url", help="OpenAI-compatible base URL (default Ollama's http://localhost:11434/v1)"
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds to wait for one model answer (default 120)",
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        metavar="N",
+        help="retries on connection errors, 429 and 5xx (default 3)",
+    )
     g = p.add_argument_group("run")
-    g.add_argument("--max-iterations", type=int, metavar="N",
-                   help="cap on model calls (0 = unlimited; default from the workflow)")
-    g.add_argument("--timeout", type=float, metavar="SECONDS", dest="timeout_seconds",
-                   help="wall-clock limit for the run (0 = none)")
-    g.add_argument("--workspace", metavar="DIR",
-                   help="root the file tools are confined to (default: current directory)")
-    g.add_argument("--store", metavar="LOCATION",
-                   help="event store: a SQLite file, a .jsonl file or a postgresql:// DSN "
-                   "(default FSM_KERNEL_STORE or .fsm-kernel/runs.db)")
-    g.add_argument("--json", action="store_true",
-                   help="print exactly one JSON object with the result on stdout")
+    g.add_argument(
+        "--max-iterations",
+        type=int,
+        metavar="N",
+        help="cap on model calls (0 = unlimited; default from the workflow)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        dest="timeout_seconds",
+        help="wall-clock limit for the run (0 = none)",
+    )
+    g.add_argument(
+        "--workspace",
+        metavar="DIR",
+        help="root the file tools are confined to (default: current directory)",
+    )
+    g.add_argument(
+        "--store",
+        metavar="LOCATION",
+        help="event store: a SQLite file, a .jsonl file or a postgresql:// DSN "
+        "(default FSM_KERNEL_STORE or .fsm-kernel/runs.db)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print exactly one JSON object with the result on stdout",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
 
 
@@ -75,8 +102,9 @@ def _add_run(sub: Any) -> None:
     p.add_argument("workflow", metavar="WORKFLOW")
     p.add_argument("--prompt", "-p", required=True, help="the task for the agent")
     p.add_argument("--system-prompt", help="replace the workflow's system prompt")
-    p.add_argument("--memory", metavar="DIR",
-                   help="folder of *.md files appended to the system prompt")
+    p.add_argument(
+        "--memory", metavar="DIR", help="folder of *.md files appended to the system prompt"
+    )
     add_model_flags(p)
     p.set_defaults(handler=cmd_run)
 
@@ -165,8 +193,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1
         else:
-            print(f"{spec.path}: ok ({len(spec.states)} states, "
-                  f"{len(spec.transitions)} transitions)")
+            print(
+                f"{spec.path}: ok ({len(spec.states)} states, {len(spec.transitions)} transitions)"
+            )
     return EXIT_USAGE if failed else EXIT_OK
 
 
@@ -180,8 +209,9 @@ def cmd_tools(args: argparse.Namespace) -> int:
     for t in tools:
         props = t.parameters.get("properties", {})
         required = set(t.parameters.get("required", []))
-        params = ", ".join(f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}"
-                           for k, v in props.items())
+        params = ", ".join(
+            f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}" for k, v in props.items()
+        )
         print(f"{t.name}({params})\n    {t.description}")
     return EXIT_OK
 

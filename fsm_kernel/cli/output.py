@@ -60,8 +60,11 @@ def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = No
         for r in result.tool_calls:
             mark = "✗" if r.result.is_error else "✓"
             args = r.call.raw_arguments if r.call.arguments_error else r.call.arguments
-            print(f"  {mark} [{r.iteration}] {r.call.name}({cut(_args(args), 120)}) → "
-                  f"{cut(r.result.content)}", file=out)
+            print(
+                f"  {mark} [{r.iteration}] {r.call.name}({cut(_args(args), 120)}) → "
+                f"{cut(r.result.content)}",
+                file=out,
+            )
     print(f"\niterations: {result.iterations}", file=out)
     print(f"termination: {result.termination_reason}", file=out)
     if result.error:

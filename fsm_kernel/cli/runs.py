@@ -15,8 +15,11 @@ EXIT_OK, EXIT_FAIL = 0, 1
 
 
 def _store_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", metavar="LOCATION",
-                   help="event store (default FSM_KERNEL_STORE or .fsm-kernel/runs.db)")
+    p.add_argument(
+        "--store",
+        metavar="LOCATION",
+        help="event store (default FSM_KERNEL_STORE or .fsm-kernel/runs.db)",
+    )
 
 
 def register(sub: Any) -> None:
@@ -46,20 +49,29 @@ def register(sub: Any) -> None:
     _store_flag(p)
     p.set_defaults(handler=cmd_runs_export)
 
-    p = sub.add_parser("resume", help="continue a run that did not finish (e.g. after a crash)",
-                       description="Rebuild a run from its events and continue it live from the "
-                       "last recorded step. Refused when the workflow file changed, unless --force.")
+    p = sub.add_parser(
+        "resume",
+        help="continue a run that did not finish (e.g. after a crash)",
+        description="Rebuild a run from its events and continue it live from the "
+        "last recorded step. Refused when the workflow file changed, unless --force.",
+    )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
-    p.add_argument("--force", action="store_true",
-                   help="resume even though the workflow file changed (records the new hash)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even though the workflow file changed (records the new hash)",
+    )
     add_model_flags(p)
     p.set_defaults(handler=cmd_resume)
 
-    p = sub.add_parser("replay", help="re-run a recorded run from its log and compare transitions",
-                       description="Re-run the workflow with every model answer and tool output "
-                       "served from the log (no network, no tool side effects). Exit 0 when it "
-                       "takes the same transitions, 1 with the first differing step named.")
+    p = sub.add_parser(
+        "replay",
+        help="re-run a recorded run from its log and compare transitions",
+        description="Re-run the workflow with every model answer and tool output "
+        "served from the log (no network, no tool side effects). Exit 0 when it "
+        "takes the same transitions, 1 with the first differing step named.",
+    )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--workflow", help="an edited workflow to check against the recorded decisions")
     p.add_argument("--json", action="store_true")
@@ -84,9 +96,11 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{'RUN ID':36}  {'WORKFLOW':12}  {'STARTED':19}  {'ITER':>4}  {'REASON':16}  GOAL")
     for r in runs:
-        print(f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
-              f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
-              f"{r.termination_reason or '(running)':16}  {cut(r.goal, 50)}")
+        print(
+            f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
+            f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
+            f"{r.termination_reason or '(running)':16}  {cut(r.goal, 50)}"
+        )
     return EXIT_OK
 
 
@@ -114,8 +128,12 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
     audit = _audit(events)
     if args.json:
-        print(json.dumps({"run_id": run_id, "iterations": iterations, "termination": audit},
-                         ensure_ascii=False))
+        print(
+            json.dumps(
+                {"run_id": run_id, "iterations": iterations, "termination": audit},
+                ensure_ascii=False,
+            )
+        )
         return EXIT_OK
     print(f"run {run_id}  workflow {audit['workflow']}  ({audit['events']} events)")
     print(f"goal: {cut(audit['goal'] or '', 150)}\n")
@@ -143,11 +161,16 @@ def _print_iteration(it: dict[str, Any]) -> None:
         step = str(it["step"]) if n == 0 else ""
         decision = it["decision"] if n == 0 else ""
         args = json.dumps(t.get("input"), ensure_ascii=False) if t else ""
-        output = ("✗ " if t.get("is_error") else "") + t.get("output", "") if t else cut(
-            it.get("answer", ""), 40)
+        output = (
+            ("✗ " if t.get("is_error") else "") + t.get("output", "")
+            if t
+            else cut(it.get("answer", ""), 40)
+        )
         error = cut(it.get("error") or "", 40) if n == 0 else ""
-        print(f"{step:>4}  {decision:10}  {cut(t.get('name', ''), 16):16}  {cut(args, 30):30}  "
-              f"{cut(output, 40):40}  {error}")
+        print(
+            f"{step:>4}  {decision:10}  {cut(t.get('name', ''), 16):16}  {cut(args, 30):30}  "
+            f"{cut(output, 40):40}  {error}"
+        )
     if it.get("summary"):
         print(f"{'':>4}  {'':10}  {cut(it['summary'], 110)}")
 
@@ -159,8 +182,10 @@ def cmd_runs_events(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(e.to_dict(), ensure_ascii=False))
         else:
-            print(f"{e.seq:>5}  {e.timestamp.strftime('%H:%M:%S.%f')[:-3]}  {e.iteration:>3}  "
-                  f"{e.type.value:20}  {e.state or '':12}  {cut(json.dumps(e.data), 100)}")
+            print(
+                f"{e.seq:>5}  {e.timestamp.strftime('%H:%M:%S.%f')[:-3]}  {e.iteration:>3}  "
+                f"{e.type.value:20}  {e.state or '':12}  {cut(json.dumps(e.data), 100)}"
+            )
     return EXIT_OK
 
 
@@ -215,13 +240,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(line)
     first = report.first_divergence
     if report.identical:
-        print(f"identical: {len(report.steps)} transitions, reason {report.replayed_reason}, "
-              f"{report.model_calls} model answers served from the log, no model or tool called")
+        print(
+            f"identical: {len(report.steps)} transitions, reason {report.replayed_reason}, "
+            f"{report.model_calls} model answers served from the log, no model or tool called"
+        )
         return EXIT_OK
     if first is not None:
-        print(f"diverged at step {first.step} (iteration {first.iteration}): recorded "
-              f"{first.recorded or '(nothing)'}, replay took {first.replayed or '(nothing)'}")
+        print(
+            f"diverged at step {first.step} (iteration {first.iteration}): recorded "
+            f"{first.recorded or '(nothing)'}, replay took {first.replayed or '(nothing)'}"
+        )
     else:
-        print(f"diverged: recorded reason {report.recorded_reason}, replay ended with "
-              f"{report.replayed_reason}")
+        print(
+            f"diverged: recorded reason {report.recorded_reason}, replay ended with "
+            f"{report.replayed_reason}"
+        )
     return EXIT_FAIL

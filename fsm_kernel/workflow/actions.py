@@ -65,7 +65,9 @@ async def session_observe(ctx: RunContext) -> None:
 def _malformed_reason(completion: Completion, offered: set[str]) -> str | None:
     for call in completion.message.tool_calls:
         if call.arguments_error is not None:
-            return f"tool call {call.name!r} has arguments that are not JSON: {call.arguments_error}"
+            return (
+                f"tool call {call.name!r} has arguments that are not JSON: {call.arguments_error}"
+            )
         if call.name not in offered:
             known = ", ".join(sorted(offered)) or "none"
             return f"tool {call.name!r} was not offered (offered: {known})"
@@ -220,8 +222,9 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "retries_exhausted": lambda ctx: ctx.malformed_streak >= ctx.limits.max_malformed_outputs,
     "done_called": lambda ctx: ctx.done_answer is not None,
     "fatal_tool_error": lambda ctx: ctx.fatal_error is not None,
-    "iteration_limit": lambda ctx: bool(ctx.limits.max_iterations)
-    and ctx.iteration >= ctx.limits.max_iterations,
+    "iteration_limit": lambda ctx: (
+        bool(ctx.limits.max_iterations) and ctx.iteration >= ctx.limits.max_iterations
+    ),
     "no_progress": lambda ctx: ctx.repeat_count >= ctx.limits.no_progress_repeats,
     "tool_failures": lambda ctx: ctx.failure_streak >= ctx.limits.max_tool_failures,
     "tool_failed": lambda ctx: any(r.result.is_error for r in ctx.last_results),

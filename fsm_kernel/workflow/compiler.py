@@ -145,7 +145,9 @@ def _build_class(spec: WorkflowSpec) -> type[StateChart]:
             allow_event_without_transition=False,
         )
     except (StateMachineError, KeyError, TypeError) as exc:
-        raise WorkflowValidationError(f"cannot compile workflow: {exc}", location=spec.path) from exc
+        raise WorkflowValidationError(
+            f"cannot compile workflow: {exc}", location=spec.path
+        ) from exc
     return cls
 
 

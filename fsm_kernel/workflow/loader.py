@@ -49,9 +49,13 @@ def _to_data(node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations)
         for key_node, value_node in node.value:
             key = _Loader(" ").construct_object(key_node)  # a scalar key
             if not isinstance(key, str | int | float | bool) or key is None:
-                raise WorkflowValidationError("keys must be plain names", location=_loc(path, key_node))
+                raise WorkflowValidationError(
+                    "keys must be plain names", location=_loc(path, key_node)
+                )
             if key in out:
-                raise WorkflowValidationError(f"duplicate key {key!r}", location=_loc(path, key_node))
+                raise WorkflowValidationError(
+                    f"duplicate key {key!r}", location=_loc(path, key_node)
+                )
             out[key] = _to_data(value_node, path, (*keys, key), locs)
             locs[(*keys, key, "<key>")] = _loc(path, key_node)
         return out

@@ -79,19 +79,35 @@ def _check_transitions(spec: WorkflowSpec) -> None:
             if name not in spec.states:
                 raise _fail(spec, f"unknown {key} state {name!r}", "transitions", i, key)
         if spec.states[t.source].final:
-            raise _fail(spec, f"final state {t.source!r} cannot have transitions out of it",
-                        "transitions", i, "source")
+            raise _fail(
+                spec,
+                f"final state {t.source!r} cannot have transitions out of it",
+                "transitions",
+                i,
+                "source",
+            )
         into_final = spec.states[t.target].final
         if into_final and not t.reason:
-            raise _fail(spec, f"transition into final state {t.target!r} needs a 'reason'",
-                        "transitions", i)
+            raise _fail(
+                spec, f"transition into final state {t.target!r} needs a 'reason'", "transitions", i
+            )
         if t.reason and not into_final:
-            raise _fail(spec, "'reason' is only for transitions into a final state",
-                        "transitions", i, "reason")
+            raise _fail(
+                spec,
+                "'reason' is only for transitions into a final state",
+                "transitions",
+                i,
+                "reason",
+            )
         if t.reason and t.reason not in TERMINATION_REASONS:
             known = ", ".join(TERMINATION_REASONS)
-            raise _fail(spec, f"unknown termination reason {t.reason!r} (known: {known})",
-                        "transitions", i, "reason")
+            raise _fail(
+                spec,
+                f"unknown termination reason {t.reason!r} (known: {known})",
+                "transitions",
+                i,
+                "reason",
+            )
 
 
 def _check_fallbacks(spec: WorkflowSpec) -> None:
@@ -101,14 +117,24 @@ def _check_fallbacks(spec: WorkflowSpec) -> None:
         outgoing = spec.transitions_from(sid)
         if not outgoing:
             raise _fail(spec, f"state {sid!r} has no transition out of it", "states", sid, "<key>")
-        for pos, (i, t) in enumerate(outgoing):
+        for pos, (_, t) in enumerate(outgoing):
             if not t.is_guarded and pos != len(outgoing) - 1:
                 later = outgoing[pos + 1][0]
-                raise _fail(spec, f"transition never fires: the unguarded transition from "
-                            f"{sid!r} above it always fires first", "transitions", later)
+                raise _fail(
+                    spec,
+                    f"transition never fires: the unguarded transition from "
+                    f"{sid!r} above it always fires first",
+                    "transitions",
+                    later,
+                )
         if outgoing[-1][1].is_guarded:
-            raise _fail(spec, f"state {sid!r} needs an unguarded fallback transition last, so "
-                        "some transition always fires", "transitions", outgoing[-1][0])
+            raise _fail(
+                spec,
+                f"state {sid!r} needs an unguarded fallback transition last, so "
+                "some transition always fires",
+                "transitions",
+                outgoing[-1][0],
+            )
 
 
 def _reachable(spec: WorkflowSpec, start: str, forward: bool = True) -> set[str]:
@@ -127,15 +153,15 @@ def _check_graph(spec: WorkflowSpec) -> None:
     reachable = _reachable(spec, spec.initial)
     for sid in spec.states:
         if sid not in reachable:
-            raise _fail(spec, f"state {sid!r} is unreachable from {spec.initial!r}",
-                        "states", sid, "<key>")
+            raise _fail(
+                spec, f"state {sid!r} is unreachable from {spec.initial!r}", "states", sid, "<key>"
+            )
     can_finish: set[str] = set()
     for final in spec.final_states():
         can_finish |= _reachable(spec, final, forward=False)
     for sid in spec.states:
         if sid not in can_finish:
-            raise _fail(spec, f"state {sid!r} has no path to a final state",
-                        "states", sid, "<key>")
+            raise _fail(spec, f"state {sid!r} has no path to a final state", "states", sid, "<key>")
 
 
 def validate_workflow(spec: WorkflowSpec) -> None:
