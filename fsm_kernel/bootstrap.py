@@ -113,6 +113,13 @@ def _memory_dir(spec: WorkflowSpec, options: RunOptions) -> Path | None:
     return None
 
 
+def _register(registry: ToolRegistry, func: Any) -> str:
+    """Register `func`; returns the name it got (its @tool name or its function name)."""
+    before = set(registry.names())
+    registry.register(func)
+    return next(n for n in registry.names() if n not in before)
+
+
 def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, list[str]]:
     """The registry (built-ins, the workflow's own, extras) and the names to offer."""
     registry = builtin_registry(options.workspace or ".")
@@ -125,7 +132,7 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
                 raise WorkflowValidationError(
                     exc.message, location=spec.location("tools", i)
                 ) from None
-            offered += [registry.register(f).name for f in funcs]
+            offered += [_register(registry, f) for f in funcs]
         elif entry in registry:
             offered.append(entry)
         else:
@@ -134,8 +141,7 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
                 f"unknown tool {entry!r} (built-in: {known}; or package.module:function)",
                 location=spec.location("tools", i),
             )
-    for func in options.extra_tools:
-        offered.append(registry.register(func).name)
+    offered += [_register(registry, f) for f in options.extra_tools]
     for sid, state in spec.states.items():
         for j, name in enumerate(state.tools or ()):
             if name not in offered:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import errno
+import functools
 import json
 import logging
 import random as _random
+import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
@@ -63,8 +65,8 @@ Sleep = Callable[[float], Awaitable[None]]
 class HttpChatModel:
     """A ChatModel that POSTs to `{base_url}/chat/completions`.
 
-    One instance belongs to one event loop (its connection pool does); close it with `aclose()`
-    or use it as an async context manager.
+    Usable from several event loops in turn (connections are not kept alive between calls).
+    Close it with `aclose()` or use it as an async context manager.
     """
 
     def __init__(
@@ -95,7 +97,13 @@ class HttpChatModel:
             headers=_headers(settings.api_key),
             timeout=_timeout(settings),
             transport=transport,
+            verify=_ssl_context(),
             follow_redirects=True,
+            # No pooled connection outlives a call: the Kernel's run_sync and the scheduler may
+            # drive one model from several event loops (one asyncio.run each), and a kept-alive
+            # connection belongs to the loop that opened it. A model call costs seconds, a new
+            # connection milliseconds.
+            limits=httpx.Limits(max_keepalive_connections=0),
         )
 
     @property
@@ -338,6 +346,12 @@ def _headers(api_key: str | None) -> dict[str, str]:
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return headers
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # httpx would build (and load the CA bundle into) a new context per client: ~0.1 s each.
+    return httpx.create_ssl_context()
 
 
 def _timeout(settings: AgentSettings) -> httpx.Timeout:

@@ -89,6 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAIL
     except BrokenPipeError:
         return EXIT_FAIL
+    except Exception as exc:  # a bug: one line, not a traceback, unless --debug
+        if args.debug:
+            raise
+        logging.getLogger(__name__).debug("internal error", exc_info=True)
+        print(f"error: internal error: {type(exc).__name__}: {exc} (rerun with --debug for "
+              "the traceback)", file=sys.stderr)
+        return EXIT_FAIL
 
 
 def entry() -> None:  # pragma: no cover - thin wrapper used by `python -m fsm_kernel`

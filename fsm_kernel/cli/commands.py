@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from fsm_kernel.bootstrap import RunOptions, build_kernel, list_stock_workflows, resolve_workflow
@@ -130,7 +131,14 @@ def open_event_store(location: str | None) -> EventStore:
 
 
 def load_spec(name_or_path: str) -> WorkflowSpec:
-    return load_workflow(resolve_workflow(name_or_path))
+    """Load a workflow by path or stock name. Its folder and the current directory are put on
+    sys.path first, so its `package.module:function` references import like a project's own
+    code (as `python -m` would)."""
+    path = resolve_workflow(name_or_path)
+    for folder in (str(Path.cwd()), str(path.resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    return load_workflow(path)
 
 
 async def run_cancellable(coro: Any) -> RunResult:

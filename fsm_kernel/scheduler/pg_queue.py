@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _SCHEMA_LOCK_KEY = "fsm_kernel.scheduler.schema"
 _CLAIM_LOCK_PREFIX = "fsm_kernel.scheduler.claim:"
+_ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
 
 _DDL = (
     """CREATE TABLE IF NOT EXISTS scheduler_schema (
@@ -116,7 +117,9 @@ class PostgresDispatchQueue:
     def ensure_schema(self) -> None:
         with self._transaction() as conn:
             # Concurrent CREATE ... IF NOT EXISTS can still collide in the catalog.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_SCHEMA_LOCK_KEY,))
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_SCHEMA_LOCK_KEY,)
+            )
             for statement in _DDL:
                 conn.execute(statement)
             row = conn.execute("SELECT version FROM scheduler_schema").fetchone()
@@ -147,10 +150,7 @@ class PostgresDispatchQueue:
     ) -> Dispatch | None:
         now = self.clock.now()
         with self._transaction() as conn:
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                (_CLAIM_LOCK_PREFIX + kernel_id,),
-            )
+            conn.execute(_ADVISORY_LOCK, (_CLAIM_LOCK_PREFIX + kernel_id,))
             running = conn.execute(
                 "SELECT count(*) AS n FROM dispatch_tasks WHERE kernel_id = %s "
                 "AND status = 'running' AND lease_expires_at > %s",

@@ -11,7 +11,14 @@ from typing import Any
 from fsm_kernel.scheduler.config import AgentSpec
 from fsm_kernel.scheduler.queue import Dispatch
 
-__all__ = ["STATE_PLACEHOLDER", "Plan", "PlannedDispatch", "SkippedAgent", "plan_dispatches"]
+__all__ = [
+    "STATE_PLACEHOLDER",
+    "Plan",
+    "PlannedDispatch",
+    "SkippedAgent",
+    "plan_dispatches",
+    "render_prompt",
+]
 
 STATE_PLACEHOLDER = "{STATE}"
 

@@ -223,7 +223,9 @@ def validate_final_status(status: DispatchStatus | str) -> DispatchStatus:
     return value
 
 
-def lease_conflict(dispatch_id: str, worker_id: str, current: Dispatch | None) -> StoreConflictError:
+def lease_conflict(
+    dispatch_id: str, worker_id: str, current: Dispatch | None
+) -> StoreConflictError:
     """The error for a heartbeat or completion from a worker that no longer holds the lease."""
     if current is None:
         return StoreConflictError(f"dispatch {dispatch_id} does not exist")

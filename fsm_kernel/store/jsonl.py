@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError
+from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventStore, RunSummary
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
@@ -378,5 +378,7 @@ def _decode_line(line: bytes, where: str) -> Event | None:
             version=int(d.get("v", 1)),
             data=dict(d.get("data") or {}),
         )
+    except StoreSchemaError as exc:
+        raise StoreSchemaError(f"{where}: {exc}") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise StoreError(f"{where}: not an event: {exc}") from exc

@@ -6,6 +6,7 @@ errors from fsm_kernel (tools never import agent, session, memory or store).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -13,6 +14,7 @@ import inspect
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -198,8 +200,9 @@ class ToolRegistry:
 
     `execute` never raises for a tool's problem: unknown names, bad arguments, exceptions,
     timeouts and fatal errors all come back as error `ToolResult`s. Only cancellation escapes.
-    A timed-out sync handler keeps running in its worker thread (threads cannot be killed);
-    its result is discarded.
+    Sync handlers run in a daemon thread of their own: a timed-out one keeps running (threads
+    cannot be killed) and its result is discarded, but it neither holds a slot of the event
+    loop's default executor nor keeps the process from exiting.
     """
 
     def __init__(
@@ -375,11 +378,48 @@ async def _call_handler(entry: RegisteredTool, kwargs: dict[str, Any]) -> Any:
     try:
         if entry.is_async:
             return await entry.handler(**kwargs)
-        return await asyncio.to_thread(functools.partial(entry.handler, **kwargs))
+        return await _in_daemon_thread(entry.name, functools.partial(entry.handler, **kwargs))
     except ToolError:
         raise
     except Exception as exc:
         raise ToolExecutionError(f"{type(exc).__name__}: {exc}", tool_name=entry.name) from exc
+
+
+async def _in_daemon_thread(name: str, func: Callable[[], Any]) -> Any:
+    """Await `func()` run in a new daemon thread (contextvars copied, as asyncio.to_thread does).
+
+    Not asyncio.to_thread: asyncio.run() waits for the default executor's threads on exit, so one
+    hung sync tool would keep the CLI from ever exiting after its timeout.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():  # cancelled by a timeout or by the caller meanwhile
+            outcome()
+
+    def target() -> None:
+        try:
+            value = context.run(func)
+        except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
+            _notify(loop, settle, functools.partial(future.set_exception, exc))
+        else:
+            _notify(loop, settle, functools.partial(future.set_result, value))
+
+    threading.Thread(target=target, name=f"tool-{name}", daemon=True).start()
+    return await future
+
+
+def _notify(
+    loop: asyncio.AbstractEventLoop,
+    settle: Callable[[Callable[[], None]], None],
+    outcome: Callable[[], None],
+) -> None:
+    try:
+        loop.call_soon_threadsafe(settle, outcome)
+    except RuntimeError:  # the loop closed while the handler ran: nobody is waiting any more
+        logger.debug("tool thread finished after its event loop closed")
 
 
 def _is_async_callable(func: Callable[..., Any]) -> bool:

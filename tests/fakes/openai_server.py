@@ -35,6 +35,9 @@ Each POST to `/v1/chat/completions` takes the next reply from the queue. Replies
 Generated replies echo the request's `model` and carry `usage`. When the queue is empty the
 server answers 500 with a body saying the script ran out, and records that in `.errors`.
 
+Connections close after each answer unless `keep_alive=True` (then they stay open as with a
+real server; `stop()` still ends them at once).
+
 With `strict=True` (the default) the server also enforces OpenAI's message-ordering rules and
 answers 400 with OpenAI's own messages, as the real API does: a `tool` message must answer a
 call of the assistant message before it, and every call must be answered before the next
@@ -60,10 +63,12 @@ directly: `python tests/fakes/openai_server.py ...`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -241,11 +246,14 @@ class FakeOpenAIServer:
         *replies: ReplyLike,
         port: int = 0,
         strict: bool = True,
+        keep_alive: bool = False,
         requests_log: Path | str | None = None,
     ) -> None:
         self._queue: deque[ReplyLike] = deque(replies)
         self._port = port
         self._strict = strict
+        self._keep_alive = keep_alive
+        self._connections: set[socket.socket] = set()
         self._requests_log = Path(requests_log) if requests_log is not None else None
         self._lock = threading.Condition()
         self._requests: list[dict[str, Any]] = []
@@ -266,7 +274,7 @@ class FakeOpenAIServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.05},
+            kwargs={"poll_interval": 0.01},
             name="fake-openai-server",
             daemon=True,
         )
@@ -279,6 +287,10 @@ class FakeOpenAIServer:
             return
         self._stopping.set()
         self._httpd.shutdown()
+        with self._lock:  # wake handler threads idling on kept-alive connections
+            for connection in self._connections:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
         self._httpd.server_close()
         if self._thread is not None:
             self._thread.join()
@@ -404,6 +416,13 @@ class FakeOpenAIServer:
             return http_error(400, _error_body(problem))
         return self._next_reply(request)
 
+    def _track(self, connection: socket.socket, *, active: bool) -> None:
+        with self._lock:
+            if active:
+                self._connections.add(connection)
+            else:
+                self._connections.discard(connection)
+
     def _wait(self, seconds: float) -> bool:
         """Sleep up to `seconds`; True if the server is stopping."""
         return self._stopping.wait(seconds) if seconds > 0 else self._stopping.is_set()
@@ -443,11 +462,19 @@ def _unanswered(ids: Sequence[str]) -> str:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Turns HTTP into FakeOpenAIServer calls; one connection per request."""
+    """Turns HTTP into FakeOpenAIServer calls; one connection per request unless keep_alive."""
 
     fake: FakeOpenAIServer
     protocol_version = "HTTP/1.1"
     timeout = 30  # a client that never sends its body cannot pin a thread forever
+
+    def setup(self) -> None:
+        super().setup()
+        self.fake._track(self.connection, active=True)
+
+    def finish(self) -> None:
+        self.fake._track(self.connection, active=False)
+        super().finish()
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -458,13 +485,14 @@ class _Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError):
             request = None
         reply = self.fake._answer(self.path, request, headers)
-        self.close_connection = True
+        self.close_connection = not self.fake._keep_alive
         if self.fake._wait(reply.delay) or reply.disconnect:
+            self.close_connection = True
             return
         self._send(reply)
 
     def do_GET(self) -> None:
-        self.close_connection = True
+        self.close_connection = not self.fake._keep_alive
         if self.path.rstrip("/") == "/v1/models":
             models = {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
             self._send(Reply(body=models))
@@ -480,7 +508,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(reply.status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
-            self.send_header("Connection", "close")
+            if self.close_connection:
+                self.send_header("Connection", "close")
             for name, value in reply.headers.items():
                 self.send_header(name, value)
             self.end_headers()

@@ -5,6 +5,7 @@ backoff: `sleep` is injected and records the delays."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -567,6 +568,18 @@ def test_unusable_base_url_is_a_config_error(base_url: str) -> None:
 def test_trailing_slash_in_base_url(server: FakeOpenAIServer) -> None:
     server.enqueue(text_reply("ok"))
     assert run(ask(server.base_url + "/")).message.content == "ok"
+
+
+def test_one_model_serves_several_event_loops() -> None:
+    # Kernel.run_sync and the scheduler call asyncio.run once per run with one model; a real
+    # server keeps connections alive, and such a connection belongs to the loop that opened it.
+    with FakeOpenAIServer(keep_alive=True) as server:
+        server.enqueue(text_reply("one"), text_reply("two"), text_reply("three"))
+        model = HttpChatModel(settings_for(server.base_url))
+        answers = [run(model.complete(HELLO, [])).message.content for _ in range(3)]
+        run(model.aclose())
+        gc.collect()  # an unclosed socket from an earlier loop would warn here (an error)
+    assert answers == ["one", "two", "three"]
 
 
 def test_aclose_twice_is_harmless(server: FakeOpenAIServer) -> None:

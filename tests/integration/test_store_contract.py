@@ -151,7 +151,7 @@ def test_batch_with_unstorable_data_writes_nothing(store: AnyEventStore) -> None
     with pytest.raises(StoreError, match="plain JSON"):
         store.append([ev("r", 2, data={"x": object()})])
     with pytest.raises(StoreError, match="timezone-aware"):
-        store.append([ev("r", 2, ts=datetime(2026, 1, 1))])  # noqa: DTZ001 - the point
+        store.append([ev("r", 2, ts=datetime(2026, 1, 1))])
     with pytest.raises(StoreError, match="seq must be"):
         store.append([ev("r", 0)])
 
@@ -175,7 +175,9 @@ def test_list_runs_newest_first_with_iterations_and_reason(store: AnyEventStore)
     # Local time 13:30+02:00 is 11:30 UTC: the oldest, whatever its text says.
     store.append([started("old", ts=(T0 - 0.5 * hour).astimezone(plus2), goal="")])
     store.append([ev("mid", 2, EventType.ITERATION_COMPLETED, iteration=1)])
-    store.append([ev("mid", 3, iteration=9), ev("mid", 4, EventType.ITERATION_COMPLETED, iteration=2)])
+    store.append(
+        [ev("mid", 3, iteration=9), ev("mid", 4, EventType.ITERATION_COMPLETED, iteration=2)]
+    )
     store.append([ev("mid", 5, EventType.RUN_TERMINATED, data={"reason": "done"})])
     store.append([ev("new", 2, EventType.ITERATION_COMPLETED, iteration=1)])
 
@@ -331,6 +333,49 @@ def test_two_processes_appending_to_one_store(backend: Backend) -> None:
             assert seqs(store, f"p{n}") == list(range(1, count + 1))
 
 
+_ACKER = """
+import sys
+from datetime import UTC, datetime
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.store import JsonlEventStore, PostgresEventStore, SqliteEventStore
+
+kind, location = sys.argv[1], sys.argv[2]
+cls = {"sqlite": SqliteEventStore, "jsonl": JsonlEventStore, "postgres": PostgresEventStore}[kind]
+store = cls(location)
+for seq in range(1, 100_000):
+    store.append([Event(run_id="killed", seq=seq, type=EventType.TOOL_FINISHED,
+                        timestamp=datetime.now(UTC), data={"output": "x" * 200})])
+    print(seq, flush=True)
+"""
+
+
+def test_events_acknowledged_before_sigkill_survive(backend: Backend) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ACKER, backend.kind, backend.location],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    acked = 0
+    try:
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 40:
+                break
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no close, no flush
+        _, err = proc.communicate(timeout=30)
+    assert acked >= 40, err
+
+    with backend.open() as store:
+        stored = seqs(store, "killed")
+    assert stored[:acked] == list(range(1, acked + 1))
+    assert stored == list(range(1, len(stored) + 1))
+
+
 def test_reopened_store_reads_everything_back(backend: Backend) -> None:
     with backend.open() as store:
         store.append([started("r", workflow="react", goal="keep me")])
@@ -365,7 +410,7 @@ def test_opening_twice_is_fine_and_both_see_the_same_log(backend: Backend) -> No
 def test_round_trip_of_every_field(store: AnyEventStore) -> None:
     ist = timezone(timedelta(hours=5, minutes=30))
     data = {
-        "text": "naïve café — 日本語 🚀 \"quoted\" back\\slash\nnew line\ttab",
+        "text": 'naïve café — 日本語 🚀 "quoted" back\\slash\nnew line\ttab',
         "nested": {"list": [1, 2.5, None, True, False, "x", {"deep": ["é"]}], "empty": {}},
         "big": 2**62,
         "small": -7,
@@ -429,7 +474,11 @@ def test_export_to_jsonl_and_import_elsewhere(
 
 
 def test_import_into_this_backend(store: AnyEventStore, tmp_path: Path) -> None:
-    events = [started("imp"), ev("imp", 2), ev("imp", 3, EventType.ITERATION_COMPLETED, iteration=1)]
+    events = [
+        started("imp"),
+        ev("imp", 2),
+        ev("imp", 3, EventType.ITERATION_COMPLETED, iteration=1),
+    ]
     with SqliteEventStore(tmp_path / "src.db") as source:
         source.append(events)
         export_run(source, "imp", tmp_path / "imp.jsonl")

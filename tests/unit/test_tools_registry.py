@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import sys
@@ -646,11 +647,59 @@ def test_default_timeout_applies_to_sync_handlers() -> None:
         release.wait(10)
         return "late"
 
+    async def scenario() -> Any:
+        try:
+            return await registry.execute(call("blocked"))
+        finally:
+            release.set()
+
+    result = asyncio.run(scenario())
+    assert result.error_type == "ToolTimeoutError"
+    assert result.content == "tool 'blocked' did not finish within 0.05s"
+
+
+def test_a_hung_sync_handler_does_not_block_event_loop_shutdown() -> None:
+    registry = ToolRegistry(default_timeout=0.05)
+    release = threading.Event()
+    finished = threading.Event()
+
+    @registry.register
+    def stuck() -> str:
+        release.wait(10)
+        finished.set()
+        return "late"
+
     try:
-        result = run(registry, call("blocked"))
+        # asyncio.run() returns although the handler's thread is still blocked.
+        result = run(registry, call("stuck"))
+        assert result.error_type == "ToolTimeoutError"
+        assert not finished.is_set()
     finally:
         release.set()
-    assert result.error_type == "ToolTimeoutError"
+    assert finished.wait(10)
+
+
+def test_sync_handler_sees_the_callers_context_variables() -> None:
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+    registry = ToolRegistry()
+    registry.register(lambda: request_id.get("unset"), name="whoami")
+
+    async def scenario() -> str:
+        request_id.set("req-7")
+        return (await registry.execute(call("whoami"))).content
+
+    assert asyncio.run(scenario()) == "req-7"
+
+
+def test_sync_handler_base_exception_is_reraised_in_the_caller() -> None:
+    registry = ToolRegistry()
+
+    @registry.register
+    def interrupt() -> str:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(registry, call("interrupt"))
 
 
 def test_fatal_error_from_handler_is_a_fatal_result() -> None:
