@@ -19,7 +19,7 @@ from fsm_kernel.kernel import Kernel
 from fsm_kernel.memory import build_system_prompt, load_memory
 from fsm_kernel.protocol import EventStore
 from fsm_kernel.tools import ToolRegistry, builtin_registry
-from fsm_kernel.tools.registry import import_tools
+from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -115,9 +115,9 @@ def _memory_dir(spec: WorkflowSpec, options: RunOptions) -> Path | None:
 
 def _register(registry: ToolRegistry, func: Any) -> str:
     """Register `func`; returns the name it got (its @tool name or its function name)."""
-    before = set(registry.names())
-    registry.register(func)
-    return next(n for n in registry.names() if n not in before)
+    entry = build_tool(func)
+    registry.add(entry)
+    return entry.name
 
 
 def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, list[str]]:
@@ -127,12 +127,10 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
     for i, entry in enumerate(spec.tools):
         if ":" in entry or "." in entry:
             try:
-                funcs = import_tools(entry)
+                offered += [_register(registry, f) for f in import_tools(entry)]
             except ConfigError as exc:
-                raise WorkflowValidationError(
-                    exc.message, location=spec.location("tools", i)
-                ) from None
-            offered += [_register(registry, f) for f in funcs]
+                where = spec.location("tools", i)
+                raise WorkflowValidationError(exc.message, location=where) from None
         elif entry in registry:
             offered.append(entry)
         else:

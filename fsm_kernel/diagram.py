@@ -19,7 +19,7 @@ import graphviz
 
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.protocol import Event, EventType
-from fsm_kernel.workflow.spec import TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.spec import SUCCESS_REASONS, TransitionSpec, WorkflowSpec
 
 __all__ = [
     "KERNEL_REASONS",
@@ -57,7 +57,8 @@ _INK = "#1f2933"
 _SOFT = "#52606d"
 _DIM = "#b8c2cc"
 _TAKEN = "#1d4ed8"
-_END = "#c0392b"
+_FAILED = "#c0392b"
+_SUCCEEDED = "#15803d"
 _FINAL_FILL = "#f5f7fa"
 _START = "_start"  # state ids are snake_case starting with a letter, so these never clash
 _LEGEND = "_legend"
@@ -75,6 +76,8 @@ class RunOverlay:
     workflow: str | None = None
     """The workflow name the run recorded at its start."""
     workflow_hash: str | None = None
+    workflow_path: str | None = None
+    """The workflow file the run was started from."""
     visits: dict[str, int] = field(default_factory=dict)
     """Times each state was entered (final states included)."""
     traversals: dict[int, int] = field(default_factory=dict)
@@ -159,6 +162,7 @@ class _OverlayBuilder:
             run_id=self.run_id,
             workflow=_text_or_none(self.started.get("workflow")),
             workflow_hash=_text_or_none(self.started.get("workflow_hash")),
+            workflow_path=_text_or_none(self.started.get("workflow_path")),
             visits=visits,
             traversals=dict(self.traversals),
             edges=dict(self.edges),
@@ -256,6 +260,10 @@ def _state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
     return lines
 
 
+def _end_color(overlay: RunOverlay) -> str:
+    return _SUCCEEDED if overlay.reason in SUCCESS_REASONS else _FAILED
+
+
 def _run_summary(overlay: RunOverlay) -> str:
     """`run 0190ab12: done after 7 transitions` (or why and where the kernel stopped it)."""
     steps = f"{len(overlay.path)} transition{'s' if len(overlay.path) != 1 else ''}"
@@ -287,7 +295,9 @@ def _state_label(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> st
     lines = [_font(title, size=12, color=_DIM if dim else _INK, bold=True)]
     lines += [_font(h, size=9, color=_DIM if dim else _SOFT) for h in _state_hints(spec, sid)]
     if overlay is not None and overlay.ended_by_kernel and overlay.last_state == sid:
-        lines.append(_font(f"■ ended here: {overlay.reason}", size=9, color=_END, bold=True))
+        lines.append(
+            _font(f"■ ended here: {overlay.reason}", size=9, color=_end_color(overlay), bold=True)
+        )
     return "<" + "<BR/>".join(lines) + ">"
 
 
@@ -300,7 +310,7 @@ def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> di
     if overlay.visits.get(sid, 0) == 0:
         attrs["color"] = _DIM
     elif overlay.last_state == sid and overlay.reason is not None:
-        attrs.update(color=_END, penwidth="2")
+        attrs.update(color=_end_color(overlay), penwidth="2")
     else:
         attrs.update(color=_TAKEN, penwidth="1.5")
     return attrs
@@ -324,7 +334,7 @@ def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tup
         return text, _DIM
     text = f"{text}  ×{count}".strip()
     if index == overlay.terminating:
-        return f"{text}  ■ ended here", _END
+        return f"{text}  ■ ended here", _end_color(overlay)
     return text, _TAKEN
 
 
@@ -349,7 +359,7 @@ def _edge_attrs(
     if overlay is None:
         return attrs
     if overlay.terminating in indexes:
-        attrs.update(color=_END, penwidth="3")
+        attrs.update(color=_end_color(overlay), penwidth="3")
     elif any(_fired(spec, overlay, i) for i in indexes):
         attrs.update(color=_TAKEN, penwidth="2.5")
     else:
@@ -368,7 +378,7 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
     if overlay is not None:
         rows += [
             "×n: times a state was entered / an edge fired; grey: not reached",
-            "■ red: where the run ended — " + _run_summary(overlay),
+            "■ where the run ended: green for final_answer or done, red for any other reason",
         ]
         if overlay.error:
             rows.append("error: " + _short(overlay.error, 90))
@@ -393,7 +403,7 @@ def _title(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
     if spec.description:
         lines.append(_font(_short(spec.description, 90), size=10, color=_SOFT))
     if overlay is not None:
-        color = _END if overlay.reason not in (None, "final_answer", "done") else _TAKEN
+        color = _TAKEN if overlay.reason is None else _end_color(overlay)
         lines.append(_font(_run_summary(overlay), size=10, color=color, bold=True))
     return "<" + "<BR/>".join(lines) + ">"
 
@@ -514,7 +524,7 @@ def _mermaid_overlay(spec: WorkflowSpec, overlay: RunOverlay) -> list[str]:
     lines = [
         "    classDef visited stroke:" + _TAKEN + ",stroke-width:2px",
         "    classDef unvisited stroke:" + _DIM + ",color:" + _DIM,
-        "    classDef ended stroke:" + _END + ",stroke-width:3px",
+        "    classDef ended stroke:" + _end_color(overlay) + ",stroke-width:3px",
     ]
     for sid in spec.states:
         if overlay.reason is not None and sid == overlay.last_state:
@@ -557,7 +567,7 @@ def render(dot_source: str, fmt: str, out_path: Path) -> Path:
     out_path = Path(out_path)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(  # noqa: S603 - a fixed program, the DOT text goes to stdin
+        proc = subprocess.run(  # a fixed program; the DOT text goes to stdin
             [exe, f"-T{fmt}", "-o", str(out_path)],
             input=dot_source.encode("utf-8"),
             capture_output=True,

@@ -2,6 +2,7 @@
 
     FsmKernelError
     ├─ ConfigError
+    ├─ MemoryStoreError (the memory folder or a file in it cannot be read)
     ├─ WorkflowError(message, location)      str() -> "path:line:col: message"
     │  ├─ WorkflowSyntaxError                YAML that does not parse
     │  └─ WorkflowValidationError            YAML that parses but is not a valid workflow
@@ -38,6 +39,7 @@ __all__ = [
     "AgentTimeoutError",
     "ConfigError",
     "FsmKernelError",
+    "MemoryStoreError",
     "NoTransitionError",
     "ReplayDivergenceError",
     "ResumeError",
@@ -92,6 +94,10 @@ def _rebuild(cls: type[FsmKernelError], state: dict[str, Any]) -> FsmKernelError
 
 class ConfigError(FsmKernelError):
     """A setting, flag or environment variable has an unusable value."""
+
+
+class MemoryStoreError(FsmKernelError):
+    """The memory folder or one of its files cannot be read."""
 
 
 class ScheduleError(FsmKernelError):

@@ -9,15 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsm_kernel.errors import FsmKernelError
+from fsm_kernel.errors import MemoryStoreError
 
 __all__ = ["MemoryFile", "MemoryStoreError", "build_system_prompt", "load_memory"]
 
 logger = logging.getLogger(__name__)
-
-
-class MemoryStoreError(FsmKernelError):
-    """The memory folder or one of its files cannot be read."""
 
 
 @dataclass(frozen=True, kw_only=True)

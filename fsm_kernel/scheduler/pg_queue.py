@@ -117,9 +117,7 @@ class PostgresDispatchQueue:
     def ensure_schema(self) -> None:
         with self._transaction() as conn:
             # Concurrent CREATE ... IF NOT EXISTS can still collide in the catalog.
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_SCHEMA_LOCK_KEY,)
-            )
+            conn.execute(_ADVISORY_LOCK, (_SCHEMA_LOCK_KEY,))
             for statement in _DDL:
                 conn.execute(statement)
             row = conn.execute("SELECT version FROM scheduler_schema").fetchone()
