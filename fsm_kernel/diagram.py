@@ -62,7 +62,7 @@ _SUCCEEDED = "#15803d"
 _FINAL_FILL = "#f5f7fa"
 _START = "_start"  # state ids are snake_case starting with a letter, so these never clash
 _LEGEND = "_legend"
-_HINT_MAX = 36
+_HINT_MAX = 40
 
 
 # -- the run overlay ---------------------------------------------------------------------------
@@ -76,6 +76,7 @@ class RunOverlay:
     workflow: str | None = None
     """The workflow name the run recorded at its start."""
     workflow_hash: str | None = None
+    """The workflow file's sha256 the run last ran under (a forced resume changes it)."""
     workflow_path: str | None = None
     """The workflow file the run was started from."""
     visits: dict[str, int] = field(default_factory=dict)
@@ -127,6 +128,8 @@ class _OverlayBuilder:
         self.run_id = self.run_id or event.run_id
         if event.type is EventType.RUN_STARTED:
             self.started = dict(event.data)
+        elif event.type is EventType.RUN_RESUMED and event.data.get("workflow_hash"):
+            self.started["workflow_hash"] = event.data["workflow_hash"]  # resume --force
         elif event.type is EventType.STATE_ENTERED and event.state is not None:
             self._enter(event.state)
         elif event.type is EventType.TRANSITION_TAKEN:
@@ -227,12 +230,12 @@ def _order(spec: WorkflowSpec, index: int) -> int | None:
     return siblings.index(index) + 1 if len(siblings) > 1 else None
 
 
-def edge_label(spec: WorkflowSpec, index: int, *, numbered: bool = True) -> str:
+def edge_label(spec: WorkflowSpec, index: int) -> str:
     """One line: `2. [malformed_output and not retries_exhausted]`, `[done_called] → done`."""
     t = spec.transitions[index]
     condition = _condition(spec, t)
     parts = []
-    order = _order(spec, index) if numbered else None
+    order = _order(spec, index)
     if order is not None:
         parts.append(f"{order}.")
     if condition:
@@ -243,8 +246,28 @@ def edge_label(spec: WorkflowSpec, index: int, *, numbered: bool = True) -> str:
 
 
 def _short(text: str, limit: int = _HINT_MAX) -> str:
+    """`text` on one line, cut at a word boundary to at most `limit` characters."""
     flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+    if len(flat) <= limit:
+        return flat
+    cut = flat[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.") + "…"
+
+
+def _tools_hint(names: list[str]) -> str:
+    """`tools: a, b +3`: as many names as fit, then how many more."""
+    if not names:
+        return "tools: none"
+    shown: list[str] = []
+    for name in names:
+        if shown and len("tools: " + ", ".join([*shown, name])) > _HINT_MAX - 3:
+            break
+        shown.append(name)
+    rest = len(names) - len(shown)
+    return "tools: " + ", ".join(shown) + (f" +{rest}" if rest else "")
 
 
 def _state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
@@ -256,7 +279,7 @@ def _state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
     if state.prompt:
         lines.append(f'prompt: "{_short(state.prompt, _HINT_MAX - 10)}"')
     if state.tools is not None:
-        lines.append(_short("tools: " + (", ".join(state.tools) or "none")))
+        lines.append(_tools_hint(state.tools))
     return lines
 
 
@@ -383,7 +406,8 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
         if overlay.error:
             rows.append("error: " + _short(overlay.error, 90))
     elif spec.limits.max_iterations:
-        rows.append(f"max_iterations is {spec.limits.max_iterations} model calls for this workflow")
+        n = spec.limits.max_iterations
+        rows.append(f"max_iterations: {n} model call{'s' if n != 1 else ''} in this workflow")
     return rows
 
 
@@ -489,8 +513,9 @@ def _mid(sid: str) -> str:
 
 
 def _mermaid_text(text: str) -> str:
-    """Mermaid labels end at a newline and choke on `;`, `:` after the label separator and `#`."""
-    return " ".join(text.split()).replace(";", ",").replace("#", "no. ").replace(":", " -")
+    """Mermaid's label text runs to the line end and may hold no `:` or `;`."""
+    flat = " ".join(text.split()).replace(": ", " — ")
+    return flat.replace(":", " ").replace(";", ",")
 
 
 def _mermaid_states(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
@@ -499,10 +524,8 @@ def _mermaid_states(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]
         parts = _state_hints(spec, sid)
         if overlay is not None and overlay.visits.get(sid):
             parts.append(f"×{overlay.visits[sid]}")
-        if parts:
-            lines.append(f"    {_mid(sid)} : {_mermaid_text(' · '.join(parts))}")
-        else:
-            lines.append(f"    state {_mid(sid)}")
+        # one `id : text` line per description line; hint-less states come with their edges
+        lines += [f"    {_mid(sid)} : {_mermaid_text(part)}" for part in parts]
     return lines
 
 
@@ -513,7 +536,7 @@ def _mermaid_edges(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
         if overlay is not None and _fired(spec, overlay, index):
             label = f"{label} ×{_fired(spec, overlay, index)}".strip()
             if index == overlay.terminating:
-                label += f" ■ ended - {overlay.reason}"
+                label += " ■ ended here"
         arrow = f"    {_mid(t.source)} --> {_mid(t.target)}"
         lines.append(f"{arrow} : {_mermaid_text(label)}" if label else arrow)
     lines += [f"    {_mid(sid)} --> [*]" for sid in spec.final_states()]

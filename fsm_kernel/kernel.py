@@ -167,7 +167,7 @@ class Kernel:
             reason, error = "error", str(exc)
         except Exception as exc:  # an action or guard is buggy: report, never crash the caller
             logger.debug("action raised in state %s", machine.state, exc_info=True)
-            reason, error = "error", f"{type(exc).__name__}: {exc} (in state {machine.state!r})"
+            reason, error = "error", _one_line(exc, machine.state)
         return self._finish(ctx, recorder, reason, error)
 
     # -- the loop ------------------------------------------------------------------------
@@ -257,6 +257,13 @@ class Kernel:
             "settings": self.settings,
             "limits": self.spec.limits.model_dump(),
         }
+
+
+def _one_line(exc: Exception, state: str) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    more = " …" if len(lines) > 1 else ""
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first}{more} (in state {state!r})"
 
 
 def _iteration_record(ctx: RunContext, next_state: str) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from fsm_kernel import __version__
 from fsm_kernel.errors import ConfigError, FsmKernelError, ScheduleError, WorkflowError
@@ -46,8 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(verbose: bool) -> None:
-    """Log lines on stderr, each with the id of the run it belongs to."""
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time (tests swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+@contextmanager
+def configure_logging(verbose: bool) -> Iterator[None]:
+    """Log lines on stderr, each with the id of the run it belongs to; the previous logging
+    setup is restored afterwards (main() also runs in-process, from tests and scripts)."""
     from fsm_kernel.kernel import current_run_id
 
     class _RunIdFilter(logging.Filter):
@@ -55,22 +71,34 @@ def configure_logging(verbose: bool) -> None:
             record.run_id = current_run_id.get()
             return True
 
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.addFilter(_RunIdFilter())
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)-5s [%(run_id)s] %(name)s: %(message)s")
+    fmt = (
+        "%(asctime)s %(levelname)-5s [%(run_id)s] %(name)s: %(message)s"
+        if verbose
+        else "%(levelname)s [%(run_id)s]: %(message)s"
     )
+    handler.setFormatter(logging.Formatter(fmt))
     root = logging.getLogger("fsm_kernel")
+    saved = (root.handlers[:], root.level, root.propagate)
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING)
     root.propagate = False
+    try:
+        yield
+    finally:
+        root.handlers[:], root.level, root.propagate = saved
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(getattr(args, "verbose", False))
+    with configure_logging(getattr(args, "verbose", False)):
+        return _call(args)
+
+
+def _call(args: argparse.Namespace) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)

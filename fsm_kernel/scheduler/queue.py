@@ -219,7 +219,7 @@ def validate_final_status(status: DispatchStatus | str) -> DispatchStatus:
     except ValueError:
         raise StoreError(f"unknown dispatch status {status!r}") from None
     if value not in FINAL_STATUSES:
-        raise StoreError(f"a dispatch completes as done or failed, not {value.value}")
+        raise StoreError(f"a dispatch completes with status done or failed, not {value.value}")
     return value
 
 

@@ -98,7 +98,7 @@ class StateFile:
     def _write_unlocked(self, content: str) -> None:
         try:
             _atomic_write(self.path, content)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             raise StoreError(f"cannot write {self.path}: {exc}") from exc
 
 

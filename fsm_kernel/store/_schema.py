@@ -155,7 +155,9 @@ def parse_ts(text: str) -> datetime:
 def encode_data(event: Event) -> str:
     """The event's data as compact JSON; StoreError when it is not plain JSON."""
     try:
-        return json.dumps(event.data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return json.dumps(
+            event.data, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+        )
     except (TypeError, ValueError) as exc:
         raise StoreError(
             f"event {event.run_id}#{event.seq} ({event.type}): data is not plain JSON: {exc}"

@@ -50,19 +50,19 @@ _INSERT_EVENT = (
     "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s::jsonb)"
 )
-# Keeps `runs` in step with `events` inside the append's transaction.
-_UPSERT_RUN = """
+# Keep `runs` in step with `events` inside the append's transaction; only a batch with
+# run.started sets workflow, goal and started_at.
+_INSERT_RUN = """
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at)
 VALUES (%(run_id)s, COALESCE(%(workflow)s, ''), COALESCE(%(goal)s, ''),
         COALESCE(%(started_at)s, %(first_ts)s), %(iterations)s, %(reason)s, %(updated_at)s)
 ON CONFLICT (run_id) DO UPDATE SET
-    workflow = COALESCE(%(workflow)s, runs.workflow),
-    goal = COALESCE(%(goal)s, runs.goal),
-    started_at = COALESCE(%(started_at)s, runs.started_at),
     iterations = GREATEST(runs.iterations, %(iterations)s),
     termination_reason = COALESCE(%(reason)s, runs.termination_reason),
-    updated_at = GREATEST(runs.updated_at, %(updated_at)s)
-"""
+    updated_at = GREATEST(runs.updated_at, %(updated_at)s)"""
+_UPSERT_RUN = (
+    _INSERT_RUN + ", workflow = %(workflow)s, goal = %(goal)s, started_at = %(started_at)s"
+)
 _SELECT_EVENTS = (
     "SELECT run_id, seq, type, ts, iteration, state, version, data "
     "FROM events WHERE run_id = %s ORDER BY seq"
@@ -139,12 +139,14 @@ class PostgresEventStore:
             return
         check_events(batch)
         rows = [_event_row(e) for e in batch]
-        runs = [_run_params(d) for d in summarize_batch(batch)]
+        deltas = summarize_batch(batch)
         with self._lock:
             try:
                 with self._transaction() as conn, conn.cursor() as cur:
                     cur.executemany(_INSERT_EVENT, rows)
-                    cur.executemany(_UPSERT_RUN, runs)
+                    for delta in deltas:
+                        sql = _INSERT_RUN if delta.started_at is None else _UPSERT_RUN
+                        cur.execute(sql, _run_params(delta))
             except self._psycopg.errors.UniqueViolation as exc:
                 raise self._conflict(batch) from exc
             except self._psycopg.Error as exc:

@@ -43,19 +43,18 @@ _INSERT_EVENT = (
     "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# Keeps `runs` in step with `events` inside the append's transaction.
-_UPSERT_RUN = """
+# Keep `runs` in step with `events` inside the append's transaction. A batch without
+# run.started leaves the indexed started_at out of the SET list, so SQLite does not rewrite the
+# index page: one WAL frame less per append.
+_INSERT_RUN = """
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at)
 VALUES (:run_id, COALESCE(:workflow, ''), COALESCE(:goal, ''),
         COALESCE(:started_at, :first_ts), :iterations, :reason, :updated_at)
 ON CONFLICT (run_id) DO UPDATE SET
-    workflow = COALESCE(:workflow, runs.workflow),
-    goal = COALESCE(:goal, runs.goal),
-    started_at = COALESCE(:started_at, runs.started_at),
     iterations = MAX(runs.iterations, :iterations),
     termination_reason = COALESCE(:reason, runs.termination_reason),
-    updated_at = MAX(runs.updated_at, :updated_at)
-"""
+    updated_at = MAX(runs.updated_at, :updated_at)"""
+_UPSERT_RUN = _INSERT_RUN + ", workflow = :workflow, goal = :goal, started_at = :started_at"
 _SELECT_EVENTS = (
     "SELECT run_id, seq, type, ts, iteration, state, version, data "
     "FROM events WHERE run_id = ? ORDER BY seq"
@@ -112,12 +111,14 @@ class SqliteEventStore:
             return
         check_events(batch)
         rows = [_event_row(e) for e in batch]
-        runs = [_run_params(d) for d in summarize_batch(batch)]
+        deltas = summarize_batch(batch)
         with self._lock:
             try:
                 with self._transaction() as conn:
                     conn.executemany(_INSERT_EVENT, rows)
-                    conn.executemany(_UPSERT_RUN, runs)
+                    for delta in deltas:
+                        sql = _INSERT_RUN if delta.started_at is None else _UPSERT_RUN
+                        conn.execute(sql, _run_params(delta))
             except sqlite3.IntegrityError as exc:
                 raise self._conflict(batch) from exc
             except sqlite3.Error as exc:

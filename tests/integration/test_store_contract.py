@@ -150,6 +150,8 @@ def test_batch_with_unstorable_data_writes_nothing(store: AnyEventStore) -> None
         store.append([ev("r", 2), ev("r", 3, data={"x": float("nan")})])
     with pytest.raises(StoreError, match="plain JSON"):
         store.append([ev("r", 2, data={"x": object()})])
+    with pytest.raises(StoreError, match="plain JSON"):
+        store.append([ev("r", 2, data={"x": {1: "int key", "b": "str key"}})])
     with pytest.raises(StoreError, match="timezone-aware"):
         store.append([ev("r", 2, ts=datetime(2026, 1, 1))])
     with pytest.raises(StoreError, match="seq must be"):

@@ -1,0 +1,381 @@
+"""The compiled machine: which transition `step()` fires from each state of default.yaml for
+hand-made RunContext values, guard errors, the compile cache, and NoTransitionError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from statemachine import StateChart
+
+from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
+from fsm_kernel.protocol import Completion, Message, ToolCall
+from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
+from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.loader import load_workflow, load_workflow_text
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+from fsm_kernel.workflow.validate import IDENT, RESERVED_NAMES
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = REPO / "workflows" / "default.yaml"
+
+GUARD_CALLS: list[str] = []
+
+
+def exploding_guard(ctx: RunContext) -> bool:
+    raise ValueError("guard bug")
+
+
+def counting_guard(ctx: RunContext) -> bool:
+    GUARD_CALLS.append(ctx.current_state)
+    return bool(ctx.scratch.get("go"))
+
+
+def _answer(text: str = "It is noon.") -> Completion:
+    return Completion(message=Message.assistant(text))
+
+
+def _tool_calls() -> Completion:
+    call = ToolCall(id="c1", name="datetime", arguments={})
+    return Completion(message=Message.assistant("", [call]), finish_reason="tool_calls")
+
+
+def _ctx(**values: Any) -> RunContext:
+    ctx = RunContext(limits=Limits(max_iterations=10))
+    for key, value in values.items():
+        setattr(ctx, key, value)
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def default() -> CompiledWorkflow:
+    return compile_workflow(load_workflow(DEFAULT))
+
+
+# (source, context values, expected target, expected reason, why)
+CASES: list[tuple[str, dict[str, Any], str, str | None, str]] = [
+    ("observe", {}, "think", None, "always"),
+    ("think", {"last_completion": _tool_calls()}, "act", None, "tool calls"),
+    (
+        "think",
+        {"last_completion": _tool_calls(), "malformed_reason": "bad json", "malformed_streak": 1},
+        "think",
+        None,
+        "malformed, retries left",
+    ),
+    (
+        "think",
+        {"last_completion": _tool_calls(), "malformed_reason": "bad json", "malformed_streak": 3},
+        "terminate",
+        "malformed_output",
+        "malformed, retries exhausted",
+    ),
+    ("think", {"last_completion": _answer()}, "terminate", "final_answer", "an answer"),
+    ("think", {"last_completion": _answer("")}, "terminate", "final_answer", "empty answer"),
+    ("think", {}, "terminate", "final_answer", "no completion at all: the fallback"),
+    ("act", {}, "evaluate", None, "always"),
+    ("evaluate", {"done_answer": "42"}, "terminate", "done", "done called"),
+    ("evaluate", {"fatal_error": "x: y"}, "terminate", "fatal_tool_error", "fatal"),
+    ("evaluate", {"failure_streak": 3}, "terminate", "tool_failures", "three failures"),
+    ("evaluate", {"repeat_count": 3}, "terminate", "no_progress", "three repeats"),
+    ("evaluate", {"iteration": 10}, "terminate", "max_iterations", "cap reached"),
+    ("evaluate", {"iteration": 11}, "terminate", "max_iterations", "cap passed"),
+    ("evaluate", {}, "observe", None, "nothing to stop for"),
+    (
+        "evaluate",
+        {"failure_streak": 2, "repeat_count": 2, "iteration": 9},
+        "observe",
+        None,
+        "below",
+    ),
+    (
+        "evaluate",
+        {"done_answer": "a", "fatal_error": "b", "failure_streak": 3, "iteration": 10},
+        "terminate",
+        "done",
+        "done wins: first in file order",
+    ),
+    (
+        "evaluate",
+        {"fatal_error": "b", "failure_streak": 3, "repeat_count": 3},
+        "terminate",
+        "fatal_tool_error",
+        "fatal before failures",
+    ),
+    (
+        "evaluate",
+        {"failure_streak": 3, "repeat_count": 3, "iteration": 10},
+        "terminate",
+        "tool_failures",
+        "failures before repeats",
+    ),
+    (
+        "evaluate",
+        {"repeat_count": 4, "iteration": 10},
+        "terminate",
+        "no_progress",
+        "repeats before the cap",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "values", "target", "reason", "why"), CASES, ids=[c[4] for c in CASES]
+)
+def test_step_picks_the_first_passing_transition(
+    default: CompiledWorkflow,
+    source: str,
+    values: dict[str, Any],
+    target: str,
+    reason: str | None,
+    why: str,
+) -> None:
+    ctx = _ctx(**values)
+    machine = default.instantiate(ctx, start=source)
+
+    fired = machine.step()
+
+    assert (fired.source, fired.target, fired.reason) == (source, target, reason)
+    assert machine.state == target
+    assert ctx.current_state == target
+    assert machine.is_final == (target == "terminate")
+    assert fired.final == machine.is_final
+    declared = default.spec.transitions[fired.index]
+    assert (declared.source, declared.target, declared.reason) == (source, target, reason)
+    first_passing = next(
+        i
+        for i, t in default.spec.transitions_from(source)
+        if t.target == target and t.reason == reason
+    )
+    assert fired.index == first_passing
+    assert "_fired" not in ctx.scratch
+
+
+def test_every_declared_transition_has_a_case(default: CompiledWorkflow) -> None:
+    fired: set[tuple[str, str, str]] = set()
+    for source, values, _, _, _ in CASES:
+        ctx = _ctx(**values)
+        f = default.instantiate(ctx, start=source).step()
+        fired.add((f.source, f.target, f.guard))
+    assert fired == default.spec.transition_triples()
+
+
+def test_iteration_cap_zero_never_fires(default: CompiledWorkflow) -> None:
+    ctx = RunContext(limits=Limits(max_iterations=0), iteration=1000)
+
+    fired = default.instantiate(ctx, start="evaluate").step()
+
+    assert fired.target == "observe"
+
+
+def test_limits_come_from_the_context(default: CompiledWorkflow) -> None:
+    strict = RunContext(limits=Limits(max_tool_failures=1), failure_streak=1)
+    lenient = RunContext(limits=Limits(max_tool_failures=5), failure_streak=4)
+
+    assert default.instantiate(strict, start="evaluate").step().reason == "tool_failures"
+    assert default.instantiate(lenient, start="evaluate").step().target == "observe"
+
+
+def test_fired_transition_labels_and_dict(default: CompiledWorkflow) -> None:
+    ctx = _ctx(last_completion=_tool_calls(), malformed_reason="x", malformed_streak=1)
+
+    fired = default.instantiate(ctx, start="think").step()
+
+    assert fired.guard == "malformed_output and not retries_exhausted"
+    assert fired.to_dict() == {
+        "index": 2,
+        "source": "think",
+        "target": "think",
+        "guard": "malformed_output and not retries_exhausted",
+        "reason": None,
+    }
+
+
+def test_a_whole_run_of_steps(default: CompiledWorkflow) -> None:
+    ctx = _ctx()
+    machine = default.instantiate(ctx)
+    assert machine.state == "observe"
+    assert not machine.is_final
+
+    path = [machine.step().target]
+    ctx.last_completion = _tool_calls()
+    path.append(machine.step().target)
+    path.append(machine.step().target)
+    path.append(machine.step().target)
+    path.append(machine.step().target)
+    ctx.last_completion = _answer()
+    last = machine.step()
+    path.append(last.target)
+
+    assert path == ["think", "act", "evaluate", "observe", "think", "terminate"]
+    assert last.reason == "final_answer"
+    assert machine.is_final
+
+
+def test_each_run_gets_its_own_machine(default: CompiledWorkflow) -> None:
+    a, b = _ctx(), _ctx()
+    first = default.instantiate(a)
+    second = default.instantiate(b)
+
+    first.step()
+
+    assert first.state == "think"
+    assert second.state == "observe"
+
+
+def test_a_context_can_be_reused_by_a_new_machine(default: CompiledWorkflow) -> None:
+    ctx = _ctx()
+    default.instantiate(ctx).step()
+
+    again = default.instantiate(ctx)
+
+    assert again.state == "observe"
+    assert again.step().target == "think"
+
+
+def test_a_raising_guard_propagates() -> None:
+    spec = load_workflow_text(
+        """
+name: raising
+initial: start
+states:
+  start: {action: session.observe}
+  end: {final: true}
+transitions:
+  - {source: start, target: end, guard: "tests.unit.test_workflow_compiler:exploding_guard",
+     reason: done}
+  - {source: start, target: end, reason: final_answer}
+"""
+    )
+    machine = compile_workflow(spec).instantiate(_ctx())
+
+    with pytest.raises(ValueError, match="guard bug"):
+        machine.step()
+
+
+def test_user_guard_reads_the_context_and_unless_negates() -> None:
+    spec = load_workflow_text(
+        """
+name: custom
+initial: start
+states:
+  start: {action: session.observe}
+  middle: {action: session.observe}
+  end: {final: true}
+transitions:
+  - {source: start, target: end, guard: "tests.unit.test_workflow_compiler:counting_guard",
+     reason: done}
+  - {source: start, target: middle, unless: "tests.unit.test_workflow_compiler:counting_guard"}
+  - {source: start, target: end, reason: final_answer}
+  - {source: middle, target: end, reason: final_answer}
+"""
+    )
+    compiled = compile_workflow(spec)
+    GUARD_CALLS.clear()
+
+    go = _ctx(scratch={"go": True})
+    stay = _ctx()
+
+    assert compiled.instantiate(go).step().reason == "done"
+    assert compiled.instantiate(stay).step().target == "middle"
+    assert GUARD_CALLS == ["start", "start", "start"]
+
+
+def test_compile_cache_returns_the_same_object() -> None:
+    first = compile_workflow(load_workflow(DEFAULT))
+    second = compile_workflow(load_workflow(DEFAULT))
+
+    assert first is second
+    assert first.machine_class is second.machine_class
+
+
+def test_changed_content_compiles_anew(tmp_path: Path) -> None:
+    text = DEFAULT.read_text(encoding="utf-8")
+    path = tmp_path / "default.yaml"
+    path.write_text(text, encoding="utf-8")
+    before = compile_workflow(load_workflow(path))
+    path.write_text(text.replace("max_iterations: 10", "max_iterations: 4"), encoding="utf-8")
+
+    after = compile_workflow(load_workflow(path))
+
+    assert after is not before
+    assert after.spec.limits.max_iterations == 4
+    assert compile_workflow(load_workflow(path)) is after
+
+
+def test_compiled_actions_are_resolved(default: CompiledWorkflow) -> None:
+    assert {sid: a.name for sid, a in default.actions.items()} == {
+        "observe": "session.observe",
+        "think": "agent.think",
+        "act": "tools.execute",
+        "evaluate": "kernel.evaluate",
+    }
+    assert [sid for sid, a in default.actions.items() if a.calls_model] == ["think"]
+    assert issubclass(default.machine_class, StateChart)
+
+
+def test_instantiate_an_unknown_state_is_no_transition_error(default: CompiledWorkflow) -> None:
+    with pytest.raises(NoTransitionError, match="unknown state 'nowhere'"):
+        default.instantiate(_ctx(), start="nowhere")
+
+
+def test_step_from_a_final_state_is_no_transition_error(default: CompiledWorkflow) -> None:
+    machine = default.instantiate(_ctx(run_id="run-1"), start="terminate")
+    assert machine.is_final
+
+    with pytest.raises(NoTransitionError) as info:
+        machine.step()
+
+    assert info.value.run_id == "run-1"
+    assert "'terminate'" in str(info.value)
+
+
+def test_no_guard_passing_is_no_transition_error() -> None:
+    # Validation forbids this; the compiler must still fail cleanly on a spec built directly.
+    data = {
+        "name": "stuck",
+        "initial": "think",
+        "states": {"think": {"action": "session.observe"}, "end": {"final": True}},
+        "transitions": [
+            {"source": "think", "target": "end", "guard": "has_answer", "reason": "final_answer"}
+        ],
+    }
+    spec = WorkflowSpec.model_validate(data)
+    machine = compile_workflow(spec).instantiate(_ctx(run_id="r9"))
+
+    with pytest.raises(NoTransitionError) as info:
+        machine.step()
+
+    assert info.value.run_id == "r9"
+    assert "no transition out of 'think'" in str(info.value)
+    assert machine.state == "think"
+
+
+def test_every_statechart_attribute_is_a_reserved_state_id() -> None:
+    # A state id equal to one of these shadows the library's attribute (e.g. `prepare` crashes
+    # every step, `catch_errors_as_events` silently swallows guard errors).
+    public = {n for n in dir(StateChart) if not n.startswith("_") and IDENT.match(n)}
+
+    assert public - RESERVED_NAMES == set()
+
+
+@pytest.mark.parametrize(
+    "name", ["prepare", "catch_errors_as_events", "start_configuration_values"]
+)
+def test_a_state_shadowing_the_library_is_rejected_at_load_time(name: str) -> None:
+    text = f"""
+name: shadow
+initial: start
+states:
+  start: {{action: session.observe}}
+  {name}: {{action: kernel.evaluate}}
+  end: {{final: true}}
+transitions:
+  - {{source: start, target: {name}}}
+  - {{source: {name}, target: end, reason: final_answer}}
+"""
+    with pytest.raises(WorkflowValidationError, match="reserved") as info:
+        load_workflow_text(text, path="shadow.yaml")
+
+    assert str(info.value).startswith("shadow.yaml:6:3: ")
