@@ -160,15 +160,21 @@ def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
 
 
 def _located_error(exc: ValidationError, root: yaml.Node, source: str) -> ScheduleError:
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    loc = _error_loc(first)
-    node = _node_at(root, loc, key=first["type"] == "extra_forbidden")
-    field = _dotted(loc)
+    """The error that comes first in the file, as one line; the others are only counted."""
+    located = sorted(
+        ((_error_node(error, root), index, error) for index, error in enumerate(exc.errors())),
+        key=lambda item: (item[0].start_mark.line, item[0].start_mark.column, item[1]),
+    )
+    node, _, first = located[0]
+    field = _dotted(_error_loc(first))
     message = f"{field}: {_error_message(first)}" if field else _error_message(first)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    if len(located) > 1:
+        message += f" (and {len(located) - 1} more error{'s' if len(located) > 2 else ''})"
     return ScheduleError(f"{_where(source, node)}: {message}")
+
+
+def _error_node(error: ErrorDetails, root: yaml.Node) -> yaml.Node:
+    return _node_at(root, _error_loc(error), key=error["type"] == "extra_forbidden")
 
 
 def _error_loc(error: ErrorDetails) -> tuple[int | str, ...]:

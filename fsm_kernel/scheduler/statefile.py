@@ -43,7 +43,7 @@ class StateFile:
             StoreError: the file exists but cannot be read.
         """
         try:
-            return self.path.read_text(encoding="utf-8")
+            return self.path.read_bytes().decode("utf-8")  # bytes: keep \r\n as written
         except FileNotFoundError:
             return ""
         except (OSError, UnicodeDecodeError) as exc:

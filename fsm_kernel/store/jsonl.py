@@ -3,7 +3,8 @@ that moves runs between stores.
 
 One event per line: Event.to_dict() plus a "crc32" of the rest (checked when present, so
 hand-written fixtures may leave it out). Appends are fsynced and serialized between processes
-with flock; a torn last line left by a crash is ignored and cut off by the next append.
+with flock; a torn last line left by a crash is ignored and cut off by the next append. Unlike
+the databases, a crash in the middle of a multi-event write may keep that batch's first lines.
 """
 
 from __future__ import annotations

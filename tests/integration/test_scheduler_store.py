@@ -59,7 +59,9 @@ def queue(store: str, clock: FakeClock) -> Iterator[DispatchQueue]:
     q.close()
 
 
-def enqueue(queue: DispatchQueue, agent: str, priority: int = 0, key: str | None = None) -> Dispatch:
+def enqueue(
+    queue: DispatchQueue, agent: str, priority: int = 0, key: str | None = None
+) -> Dispatch:
     dispatch = queue.enqueue(K, agent, f"prompt for {agent}", priority, key or f"{K}:{agent}:t0")
     assert dispatch is not None
     return dispatch
@@ -279,7 +281,7 @@ def test_a_tick_fires_once_per_kernel(queue: DispatchQueue) -> None:
 
 def test_naive_datetimes_are_rejected(queue: DispatchQueue) -> None:
     with pytest.raises(StoreError, match="naive"):
-        queue.try_acquire_tick(K, datetime(2026, 2, 11, 10, 10))  # noqa: DTZ001
+        queue.try_acquire_tick(K, datetime(2026, 2, 11, 10, 10))  # naive on purpose
 
 
 def test_concurrent_claims_from_many_connections_respect_the_cap(

@@ -37,7 +37,10 @@ description: a small loop with prompts and tools
 tools: [datetime, done]
 initial: think
 states:
-  think: {action: agent.think, prompt: "Think hard about the task; then act.", tools: [datetime]}
+  think:
+    action: agent.think
+    prompt: "Plan; then act: think hard about the whole task first."
+    tools: [datetime]
   act: {action: tools.execute}
   evaluate: {action: kernel.evaluate}
   finish: {final: true}
@@ -70,13 +73,26 @@ class EventLog:
         self.run_id = run_id
         self.events: list[Event] = []
         self.state: str | None = None
-        self.add(EventType.RUN_STARTED, workflow=spec.name, workflow_path=spec.path,
-                 workflow_hash=spec.content_hash, goal="g")
+        self.add(
+            EventType.RUN_STARTED,
+            workflow=spec.name,
+            workflow_path=spec.path,
+            workflow_hash=spec.content_hash,
+            goal="g",
+        )
         self.enter(spec.initial)
 
     def add(self, type_: EventType, **data: Any) -> None:
-        self.events.append(Event(run_id=self.run_id, seq=len(self.events) + 1, type=type_,
-                                 timestamp=T0, state=self.state, data=data))
+        self.events.append(
+            Event(
+                run_id=self.run_id,
+                seq=len(self.events) + 1,
+                type=type_,
+                timestamp=T0,
+                state=self.state,
+                data=data,
+            )
+        )
 
     def enter(self, state: str) -> None:
         self.state = state
@@ -85,8 +101,14 @@ class EventLog:
     def take(self, *indexes: int) -> EventLog:
         for index in indexes:
             t = self.spec.transitions[index]
-            self.add(EventType.TRANSITION_TAKEN, index=index, source=t.source, target=t.target,
-                     guard=t.label(), reason=t.reason)
+            self.add(
+                EventType.TRANSITION_TAKEN,
+                index=index,
+                source=t.source,
+                target=t.target,
+                guard=t.label(),
+                reason=t.reason,
+            )
             if self.spec.states[t.target].final:
                 self.state = t.target  # the kernel records no state.entered for a final state
             else:
@@ -161,9 +183,23 @@ def test_dot_groups_parallel_edges_and_breaks_long_guards(default: WorkflowSpec)
 def test_dot_shows_prompt_and_tools_hints_short(loop: WorkflowSpec) -> None:
     think = node_line(to_dot(loop), "think")
     assert "agent.think" in think
-    assert 'prompt: "Think hard about the task' in think
+    assert 'prompt: "Plan; then act: think hard…"' in think  # cut at a word boundary
     assert "tools: datetime" in think
-    assert "then act" not in think  # cut at a word boundary
+
+
+def test_long_tool_lists_say_how_many_more() -> None:
+    spec = load_workflow_text(
+        "name: t\ntools: [datetime, read_file, list_directory, done]\ninitial: go\nstates:\n"
+        "  go: {action: agent.think, tools: [datetime, read_file, list_directory, done]}\n"
+        "  quiet: {action: agent.think, tools: []}\n"
+        "  end_here: {final: true}\ntransitions:\n"
+        "  - {source: go, target: quiet, guard: has_tool_calls}\n"
+        "  - {source: go, target: end_here, reason: final_answer}\n"
+        "  - {source: quiet, target: end_here, reason: final_answer}\n"
+    )
+    dot = to_dot(spec)
+    assert "tools: datetime, read_file +2" in node_line(dot, "go")
+    assert "tools: none" in node_line(dot, "quiet")
 
 
 def test_legend_explains_notation_and_kernel_reasons(default: WorkflowSpec) -> None:
@@ -214,7 +250,8 @@ def test_mermaid_labels_hold_no_separator_characters(loop: WorkflowSpec) -> None
         if line.strip().startswith("%%") or " : " not in line:
             continue
         label = line.split(" : ", 1)[1]
-        assert ":" not in label and ";" not in label, line
+        assert ":" not in label, line
+        assert ";" not in label, line
 
 
 def test_mermaid_renames_keyword_state_ids() -> None:
@@ -249,10 +286,12 @@ def test_dot_overlay_counts_bold_taken_and_dims_the_rest(default: WorkflowSpec) 
     dot = to_dot(default, overlay=RunOverlay.from_events(events))
     assert "think  ×3" in node_line(dot, "think")
     (taken,) = edge_lines(dot, "think", "act")
-    assert "×2" in taken and "penwidth=2.5" in taken
+    assert "×2" in taken
+    assert "penwidth=2.5" in taken
     (ending,) = edge_lines(dot, "evaluate", "terminate")
     assert "1. [done_called] → done  ×1  ■ ended here" in ending
-    assert "penwidth=3" in ending and 'color="#15803d"' in ending  # success: green
+    assert "penwidth=3" in ending
+    assert 'color="#15803d"' in ending
     assert 'COLOR="#b8c2cc">2. [fatal_tool_error]' in ending  # the untaken rows are grey
     (untaken,) = edge_lines(dot, "think", "terminate")
     assert 'color="#b8c2cc"' in untaken
@@ -280,7 +319,8 @@ def test_kernel_ended_run_is_shown_where_it_stopped(default: WorkflowSpec) -> No
     assert "terminate" not in overlay.visits
     dot = to_dot(default, overlay=overlay)
     think = node_line(dot, "think")
-    assert "■ ended here: max_iterations" in think and 'color="#c0392b"' in think
+    assert "■ ended here: max_iterations" in think
+    assert 'color="#c0392b"' in think
     assert "ended by the kernel in think: max_iterations after 5 transitions" in dot
     assert "■ ended here" not in "".join(edge_lines(dot, "evaluate", "terminate"))
     mermaid = to_mermaid(default, overlay=overlay)
@@ -297,7 +337,8 @@ def test_overlay_shows_the_error_of_a_failed_run(default: WorkflowSpec) -> None:
 
 def test_run_in_flight_has_no_reason(default: WorkflowSpec) -> None:
     overlay = RunOverlay.from_events(EventLog(default).take(0, 1).events)
-    assert overlay.reason is None and overlay.terminating is None
+    assert overlay.reason is None
+    assert overlay.terminating is None
     assert not overlay.ended_by_kernel
     assert overlay.last_state == "act"
     assert "not terminated (in flight or killed) after 2 transitions, in act" in to_dot(
@@ -318,8 +359,10 @@ def test_mermaid_overlay(default: WorkflowSpec) -> None:
 def test_overlay_problems_name_a_mismatched_run(default: WorkflowSpec, loop: WorkflowSpec) -> None:
     overlay = RunOverlay.from_events(EventLog(loop).take(0, 4).end("done"))
     problems = overlay_problems(default, overlay)
-    assert problems[0] == "run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000 is of workflow 'loop', " \
+    assert (
+        problems[0] == "run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000 is of workflow 'loop', "
         "not 'default'"
+    )
     assert any("transition 4 (act -> evaluate) is not in the workflow" in p for p in problems)
     dot = to_dot(default, overlay=overlay)
     assert "×" not in "".join(edge_lines(dot, "act", "evaluate"))  # index 4 is think->terminate
@@ -327,8 +370,13 @@ def test_overlay_problems_name_a_mismatched_run(default: WorkflowSpec, loop: Wor
 
 def test_overlay_problems_notice_a_changed_file(default: WorkflowSpec) -> None:
     log = EventLog(default)
-    log.events[0] = Event(run_id=log.run_id, seq=1, type=EventType.RUN_STARTED, timestamp=T0,
-                          data={"workflow": "default", "workflow_hash": "0" * 64})
+    log.events[0] = Event(
+        run_id=log.run_id,
+        seq=1,
+        type=EventType.RUN_STARTED,
+        timestamp=T0,
+        data={"workflow": "default", "workflow_hash": "0" * 64},
+    )
     overlay = RunOverlay.from_events(log.take(0).end("timeout"))
     assert overlay_problems(default, overlay) == [
         f"the workflow file changed since run {log.run_id}"
@@ -337,8 +385,13 @@ def test_overlay_problems_notice_a_changed_file(default: WorkflowSpec) -> None:
 
 def test_forced_resume_hash_counts(default: WorkflowSpec) -> None:
     log = EventLog(default)
-    log.events[0] = Event(run_id=log.run_id, seq=1, type=EventType.RUN_STARTED, timestamp=T0,
-                          data={"workflow": "default", "workflow_hash": "0" * 64})
+    log.events[0] = Event(
+        run_id=log.run_id,
+        seq=1,
+        type=EventType.RUN_STARTED,
+        timestamp=T0,
+        data={"workflow": "default", "workflow_hash": "0" * 64},
+    )
     log.add(EventType.RUN_RESUMED, workflow_hash=default.content_hash, forced=True)
     overlay = RunOverlay.from_events(log.take(0).end("timeout"))
     assert overlay.workflow_hash == default.content_hash
