@@ -1,0 +1,184 @@
+"""The Worker: claims and executes dispatches only (real SQLite queue, scripted runners)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_kernel.errors import StoreError
+from fsm_kernel.scheduler import DispatchDetail, DispatchStatus, ExecutionStatus, Worker, open_queue
+from fsm_kernel.scheduler.queue import SqliteDispatchQueue
+from tests.unit.test_scheduler_fakes import FakeClock, ScriptedRunner, make_config, wait_until
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def queue(tmp_path: Path, clock: FakeClock) -> Iterator[SqliteDispatchQueue]:
+    q = open_queue(str(tmp_path / "runs.db"), clock=clock)
+    assert isinstance(q, SqliteDispatchQueue)
+    yield q
+    q.close()
+
+
+def enqueue_all(queue: SqliteDispatchQueue, agents: list[str]) -> None:
+    for agent in agents:
+        assert queue.enqueue("k1", agent, f"task for {agent}", 0, f"key-{agent}") is not None
+
+
+def make_worker(
+    tmp_path: Path, queue: Any, runner: Any, results: list[DispatchDetail], **config: Any
+) -> Worker:
+    agents = config.pop("agents", ["a", "b", "c", "d"])
+    return Worker(
+        make_config(tmp_path, agents, **config),
+        queue,
+        runner,
+        worker_id="w1",
+        poll_seconds=0.01,
+        on_result=results.append,
+    )
+
+
+def test_worker_runs_queued_dispatches_within_the_cap(
+    tmp_path: Path, queue: SqliteDispatchQueue
+) -> None:
+    enqueue_all(queue, ["a", "b", "c", "d"])
+    runner = ScriptedRunner({"c": "raise"}, hold_until_peak=2)
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, runner, results, max_concurrent=2)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        await wait_until(lambda: len(results) == 4, what="four dispatches")
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert runner.peak == 2
+    assert sorted(runner.calls) == [(a, f"task for {a}") for a in "abcd"]
+    rows = {d.agent_id: d for d in queue.list("k1")}
+    assert {a: r.status.value for a, r in rows.items()} == {
+        "a": "done",
+        "b": "done",
+        "c": "failed",
+        "d": "done",
+    }
+    assert {r.worker_id for r in rows.values()} == {"w1"}
+    assert rows["c"].error == "RuntimeError: boom in c"
+
+
+def test_worker_picks_up_work_enqueued_later(tmp_path: Path, queue: SqliteDispatchQueue) -> None:
+    runner = ScriptedRunner()
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, runner, results)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.03)  # a few empty polls
+        enqueue_all(queue, ["a"])
+        await wait_until(lambda: len(results) == 1, what="the late dispatch")
+        worker.stop()
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+def test_worker_stop_lets_in_flight_finish(tmp_path: Path, queue: SqliteDispatchQueue) -> None:
+    enqueue_all(queue, ["a", "b"])
+    runner = ScriptedRunner({"a": "block", "b": "block"})
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, runner, results, max_concurrent=1)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(runner.started.wait(), 5)
+        worker.stop()
+        runner.release.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert [d.status for d in results] == [ExecutionStatus.DONE]
+    assert sorted(d.status.value for d in queue.list("k1")) == ["done", "pending"]
+
+
+def test_worker_abandon_leaves_leases_to_expire(
+    tmp_path: Path, queue: SqliteDispatchQueue, clock: FakeClock
+) -> None:
+    enqueue_all(queue, ["a", "b"])
+    runner = ScriptedRunner({"a": "hang", "b": "hang"}, hold_until_peak=2)
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, runner, results, max_concurrent=2, lease_seconds=60)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: runner.active == 2, what="two runs")
+        worker.stop(abandon=True)
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert [d.status for d in results] == [ExecutionStatus.ABANDONED] * 2
+    assert sorted(runner.cancelled) == ["a", "b"]
+    assert {d.status for d in queue.list("k1")} == {DispatchStatus.RUNNING}
+    clock.advance(61)
+    assert queue.claim("k1", "w2", 60, 2) is not None
+
+
+def test_cancelling_the_worker_abandons_its_runs(
+    tmp_path: Path, queue: SqliteDispatchQueue
+) -> None:
+    enqueue_all(queue, ["a"])
+    runner = ScriptedRunner({"a": "hang"})
+    worker = make_worker(tmp_path, queue, runner, [])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(runner.started.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: runner.cancelled == ["a"], what="the run to be cancelled")
+
+    asyncio.run(scenario())
+    assert queue.list("k1")[0].status is DispatchStatus.RUNNING
+
+
+class FlakyClaimQueue(SqliteDispatchQueue):
+    failures = 2
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("connection refused")
+        return super().claim(*args, **kwargs)
+
+
+def test_claim_failures_are_retried(tmp_path: Path, clock: FakeClock) -> None:
+    queue = FlakyClaimQueue(tmp_path / "flaky.db", clock=clock)
+    queue.ensure_schema()
+    enqueue_all(queue, ["a"])
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, ScriptedRunner(), results)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 1, what="the dispatch after two failed claims")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert queue.failures == 0
+    assert results[0].status is ExecutionStatus.DONE
