@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from fsm_kernel.agent import HttpChatModel
 from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
 from fsm_kernel.errors import ConfigError, WorkflowValidationError
@@ -22,7 +24,7 @@ from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow
-from fsm_kernel.workflow.spec import WorkflowSpec
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = ["RunOptions", "build_kernel", "list_stock_workflows", "resolve_workflow"]
 
@@ -151,18 +153,17 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
 
 
 def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:
-    """The spec with the iteration cap / timeout overridden by options."""
-    updates = {
-        k: v
-        for k, v in {
-            "max_iterations": options.max_iterations,
-            "timeout_seconds": options.timeout_seconds,
-        }.items()
-        if v is not None
-    }
+    """The spec with the iteration cap / timeout overridden by options (validated)."""
+    flags = {"max_iterations": "--max-iterations", "timeout_seconds": "--timeout"}
+    updates = {k: getattr(options, k) for k in flags if getattr(options, k) is not None}
     if not updates:
         return spec
-    new = spec.model_copy(update={"limits": spec.limits.model_copy(update=updates)})
+    try:
+        limits = Limits.model_validate({**spec.limits.model_dump(), **updates})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"{flags[str(err['loc'][0])]}: {err['msg']}") from None
+    new = spec.model_copy(update={"limits": limits})
     new._path, new._content_hash, new._locations = spec.path, spec.content_hash, spec._locations
     return new
 

@@ -203,18 +203,23 @@ class Kernel:
                 )
         return "final_answer"
 
-    def _complete_iteration(self, ctx: RunContext, recorder: RunRecorder, next_state: str) -> None:
+    def _complete_iteration(
+        self, ctx: RunContext, recorder: RunRecorder, next_state: str, error: str | None = None
+    ) -> None:
         """Record the iteration that just ended (before the next model call or at the end)."""
         if ctx.iteration == 0 or ctx.scratch.get("_recorded_iteration") == ctx.iteration:
             return
         ctx.scratch["_recorded_iteration"] = ctx.iteration
-        recorder.record(EventType.ITERATION_COMPLETED, _iteration_record(ctx, next_state))
+        record = _iteration_record(ctx, next_state, error)
+        recorder.record(EventType.ITERATION_COMPLETED, record)
         ctx.summary = ""
 
     def _finish(
         self, ctx: RunContext, recorder: RunRecorder, reason: str, error: str | None
     ) -> RunResult:
-        self._complete_iteration(ctx, recorder, ctx.current_state)
+        if reason == "fatal_tool_error" and error is None:
+            error = ctx.fatal_error
+        self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {"reason": reason, "answer": response, "iterations": ctx.iteration}
         if error:
@@ -266,10 +271,12 @@ def _one_line(exc: Exception, state: str) -> str:
     return f"{type(exc).__name__}: {first}{more} (in state {state!r})"
 
 
-def _iteration_record(ctx: RunContext, next_state: str) -> dict[str, Any]:
-    completion = ctx.last_completion
+def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> dict[str, Any]:
+    completion = ctx.last_completion if ctx.completion_iteration == ctx.iteration else None
     calls = [r for r in ctx.tool_calls if r.iteration == ctx.iteration]
-    if ctx.malformed_reason is not None:
+    if completion is None:
+        decision = "failed"  # the model call of this iteration never answered
+    elif ctx.malformed_reason is not None:
         decision = "malformed"
     elif completion is not None and completion.message.tool_calls:
         decision = "tool_calls"
@@ -290,7 +297,8 @@ def _iteration_record(ctx: RunContext, next_state: str) -> dict[str, Any]:
             }
             for r in calls
         ],
-        "error": ctx.malformed_reason or ("; ".join(errors) if errors else None),
+        "error": (ctx.malformed_reason if completion else error)
+        or ("; ".join(errors) if errors else None),
         "summary": ctx.summary,
         "next_state": next_state,
     }

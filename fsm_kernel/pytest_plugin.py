@@ -16,15 +16,17 @@ Fixtures:
   every workflow harnessed in the module); it sees the tests that ran before it, so it is
   skipped when only part of the module runs (-k, -m, --lf, file::test).
 
-Example::
+Example (single_shot has two transitions, so two cases cover it)::
 
-    CASES = [("think", {"last_reply": call("datetime")}, "act", None),
-             ("think", {"last_reply": "42"}, "terminate", "final_answer")]
+    from fsm_kernel.testing import call
 
-    @pytest.mark.parametrize(("state", "ctx", "target", "reason"), CASES)
-    def test_transition(workflow_harness, state, ctx, target, reason):
-        fired = workflow_harness("workflows/default.yaml").step(state, **ctx)
-        assert (fired.target, fired.reason) == (target, reason)
+    CASES = [({"last_reply": "Bonjour."}, "final_answer"),
+             ({"last_reply": call("datetime"), "malformed_reason": "not offered"},
+              "malformed_output")]
+
+    @pytest.mark.parametrize(("ctx", "reason"), CASES)
+    def test_answer_step(workflow_harness, ctx, reason):
+        assert workflow_harness("single_shot").step("answer", **ctx).reason == reason
 
     def test_all_transitions_covered(transition_coverage):
         transition_coverage.assert_all_covered()
@@ -64,6 +66,7 @@ class ModuleTransitionCoverage(TransitionCoverage):
     def assert_all_covered(
         self, workflow: str | Path | WorkflowSpec | WorkflowHarness | None = None
     ) -> None:
+        __tracebackhide__ = True
         if _is_partial_run(self._module):
             pytest.skip("only part of this module ran: transition coverage is not checked")
         super().assert_all_covered(workflow)

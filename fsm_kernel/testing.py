@@ -11,9 +11,9 @@ A transition test, then a whole run with a scripted model::
     fired = harness.step("think", last_reply=call("read_file", {"path": "a.txt"}))
     assert fired.target == "act"
 
-    model = ScriptedChatModel(["Look in a.txt.", call("read_file", {"path": "a.txt"}),
-                               "I need the date.", "It is 42.", "42"])
-    result = harness.run("What is in a.txt?", model=model)
+    model = ScriptedChatModel(["I should read a.txt.", call("read_file", {"path": "a.txt"}),
+                               "It says 42; I can answer.", "42", "a.txt says 42."])
+    result = harness.run("What is in a.txt?", model=model, workspace=tmp_path)
     assert result.termination_reason == "final_answer"
     model.assert_complete()
 """
@@ -34,7 +34,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pydantic
+
 from fsm_kernel.bootstrap import RunOptions, build_tools, resolve_workflow
+from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
     ChatModel,
@@ -224,6 +227,7 @@ class ScriptedChatModel:
         self.requests.append(ModelRequest(tuple(messages), tuple(tools)))
         if not self._script:
             self.failure = ScriptExhaustedError(self._exhausted_message())
+            logger.warning("scripted model: %s", self.failure)
             raise self.failure
         item = self._script.popleft()
         if isinstance(item, BaseException):
@@ -243,6 +247,7 @@ class ScriptedChatModel:
 
     def assert_complete(self) -> None:
         """AssertionError if scripted replies were never requested."""
+        __tracebackhide__ = True
         if self._script:
             raise AssertionError(
                 f"{len(self._script)} scripted reply(ies) never requested "
@@ -286,7 +291,7 @@ class FunctionChatModel:
 class DeclaredTransition(NamedTuple):
     """A transition as the workflow file declares it."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, named like FiredTransition's
     source: str
     target: str
     guard: str
@@ -408,7 +413,11 @@ class WorkflowHarness:
             return self.spec.limits
         if isinstance(given, Limits):
             return given
-        return Limits.model_validate({**self.spec.limits.model_dump(), **dict(given)})
+        try:
+            return Limits.model_validate({**self.spec.limits.model_dump(), **dict(given)})
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid limits {dict(given)!r}: {problems}") from exc
 
     # -- whole runs -------------------------------------------------------------------------
 
@@ -601,6 +610,7 @@ def assert_all_transitions_covered(
 
         assert_all_transitions_covered(harness, [harness.step(s, **ctx) for s, ctx in CASES])
     """
+    __tracebackhide__ = True
     missing = uncovered_transitions(workflow, cases)
     if missing:
         spec = _spec_of(workflow)
@@ -649,6 +659,7 @@ class TransitionCoverage:
         self, workflow: str | Path | WorkflowSpec | WorkflowHarness | None = None
     ) -> None:
         """Fail listing uncovered transitions of `workflow` (default: every watched one)."""
+        __tracebackhide__ = True
         if workflow is not None:
             spec = _as_spec(workflow)
             assert_all_transitions_covered(spec, self._fired.get(_workflow_key(spec), []))

@@ -14,7 +14,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from fsm_kernel import __version__
-from fsm_kernel.errors import ConfigError, FsmKernelError, ScheduleError, WorkflowError
+from fsm_kernel.errors import (
+    ConfigError,
+    FsmKernelError,
+    MemoryStoreError,
+    ScheduleError,
+    WorkflowError,
+)
 
 __all__ = ["main"]
 
@@ -102,7 +108,7 @@ def _call(args: argparse.Namespace) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (WorkflowError, ConfigError, ScheduleError) as exc:
+    except (WorkflowError, ConfigError, ScheduleError, MemoryStoreError) as exc:
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -121,8 +127,11 @@ def _call(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         logging.getLogger(__name__).debug("internal error", exc_info=True)
-        print(f"error: internal error: {type(exc).__name__}: {exc} (rerun with --debug for "
-              "the traceback)", file=sys.stderr)
+        print(
+            f"error: internal error: {type(exc).__name__}: {exc} (rerun with --debug for "
+            "the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_FAIL
 
 

@@ -65,15 +65,16 @@ class CronSchedule:
         following = self.next_after(prev)
         return following if following <= moment else prev
 
-    def fires_between(self, start: datetime, end: datetime, *, limit: int = 10_000) -> int:
+    def fires_between(self, start: datetime, end: datetime, *, limit: int = 100_000) -> int:
         """How many fire times lie in [start, end] (counting stops at `limit`)."""
-        count = 0
         fire = self.latest_at_or_before(start)
         if fire < _utc(start):
             fire = self.next_after(fire)
+        ticks = croniter(self.expression, fire)
+        count = 0
         while fire <= _utc(end) and count < limit:
             count += 1
-            fire = self.next_after(fire)
+            fire = _utc(ticks.get_next(datetime))
         return count
 
 

@@ -25,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from fsm_kernel.errors import StoreConflictError, StoreError, StoreSchemaError
+from fsm_kernel.errors import ConfigError, StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Clock, SystemClock, new_id
 
 __all__ = [
@@ -189,7 +189,7 @@ class DispatchQueue(Protocol):
 
 def is_postgres_dsn(store: str) -> bool:
     """True for a postgresql:// or postgres:// URL."""
-    return store.startswith(("postgresql://", "postgres://"))
+    return store.strip().lower().startswith(("postgresql://", "postgres://"))
 
 
 def open_queue(store: str, *, clock: Clock | None = None) -> DispatchQueue:
@@ -197,11 +197,20 @@ def open_queue(store: str, *, clock: Clock | None = None) -> DispatchQueue:
 
     A postgresql:// DSN selects PostgreSQL (needs `pip install 'fsm-kernel[postgres]'`); anything
     else is a SQLite file path, which may be the same file as the event log.
+
+    Raises:
+        ConfigError: `store` names a JSON Lines event log.
+        StoreError: the store cannot be opened (StoreSchemaError: its schema is too new).
     """
     if is_postgres_dsn(store):
         from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
 
-        queue: DispatchQueue = PostgresDispatchQueue(store, clock=clock)
+        queue: DispatchQueue = PostgresDispatchQueue(store.strip(), clock=clock)
+    elif store.strip().lower().endswith(".jsonl"):
+        raise ConfigError(
+            f"store {store!r} is a JSON Lines file, which cannot hold the dispatch queue: set "
+            "`store:` in the scheduler config to a SQLite file or a postgresql:// URL"
+        )
     else:
         queue = SqliteDispatchQueue(store, clock=clock)
     try:

@@ -124,8 +124,13 @@ def _atomic_write(path: Path, content: str) -> None:
         os.close(dir_fd)
 
 
-def state_tools(state_file: StateFile) -> list[Callable[..., str]]:
-    """The two tools through which agents see and change STATE.md: read_state, write_state."""
+def state_tools(state_file: StateFile | str | Path) -> list[Callable[..., str]]:
+    """The two tools through which agents see and change STATE.md: read_state, write_state.
+
+    Plain typed functions with Google-style docstrings, ready for the tool registry.
+    """
+    if not isinstance(state_file, StateFile):
+        state_file = StateFile(state_file)
 
     def read_state() -> str:
         """Read the kernel's STATE.md document.

@@ -28,7 +28,7 @@ DEFAULT_POLL_SECONDS = 1.0
 
 
 class Worker:
-    """Polls the queue and runs up to max_concurrent dispatches at a time in this process."""
+    """Polls the queue and runs up to `concurrency` dispatches at a time in this process."""
 
     def __init__(
         self,
@@ -37,6 +37,7 @@ class Worker:
         runner: AgentRunner,
         *,
         worker_id: str | None = None,
+        concurrency: int | None = None,
         poll_seconds: float = DEFAULT_POLL_SECONDS,
         sleep: Sleep = asyncio.sleep,
         on_result: Callable[[DispatchDetail], None] | None = None,
@@ -48,6 +49,8 @@ class Worker:
             queue: The dispatch queue shared with the scheduler.
             runner: Runs one agent's kernel run; see AgentRunner.
             worker_id: Lease owner name; unique per process by default.
+            concurrency: Dispatches this process runs at once (default and upper bound:
+                config.max_concurrent, which the queue enforces across the whole fleet).
             poll_seconds: Wait between claims when there was nothing to claim.
             sleep: Awaited for that wait; inject a fake in tests.
             on_result: Called with the fate of every dispatch this worker executed.
@@ -55,6 +58,7 @@ class Worker:
         self.config = config
         self.queue = queue
         self.worker_id = worker_id or default_worker_id()
+        self.concurrency = min(concurrency or config.max_concurrent, config.max_concurrent)
         self.poll_seconds = poll_seconds
         self._sleep = sleep
         self._on_result = on_result
@@ -80,7 +84,7 @@ class Worker:
         watcher = asyncio.create_task(self._watch(stop_event)) if stop_event else None
         try:
             while not self.stopping:
-                if len(self._in_flight) < self.config.max_concurrent:
+                if len(self._in_flight) < self.concurrency:
                     dispatch = await self._claim()
                     if dispatch is not None:
                         self._start(dispatch)

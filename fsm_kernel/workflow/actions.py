@@ -113,6 +113,7 @@ async def agent_think(ctx: RunContext) -> None:
 def apply_completion(ctx: RunContext, completion: Completion, offered: set[str]) -> None:
     """Fold a model answer into the context (shared by live runs and resume)."""
     ctx.last_completion = completion
+    ctx.completion_iteration = ctx.iteration
     ctx.usage = ctx.usage + completion.usage
     ctx.session.add(completion.message)
     ctx.malformed_reason = _malformed_reason(completion, offered)

@@ -94,6 +94,12 @@ class CompiledWorkflow:
         }
         self.machine_class = _build_class(spec)
 
+    def with_spec(self, spec: WorkflowSpec) -> CompiledWorkflow:
+        """This compiled machine under a spec that differs only in its limits."""
+        twin = object.__new__(CompiledWorkflow)
+        twin.spec, twin.actions, twin.machine_class = spec, self.actions, self.machine_class
+        return twin
+
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
         """A machine for one run, at `start` (default: the initial state)."""
         if start is not None and start not in self.spec.states:
@@ -156,14 +162,17 @@ def _class_name(spec: WorkflowSpec) -> str:
     return f"{base or 'Workflow'}_{spec.content_hash[:12] or 'inline'}"
 
 
-_CACHE: dict[tuple[str, str, str], CompiledWorkflow] = {}
+_CACHE: dict[tuple[str, str], CompiledWorkflow] = {}
 
 
 def compile_workflow(spec: WorkflowSpec) -> CompiledWorkflow:
-    """Compile once per (name, path, content): python-statemachine registers every class it
-    creates globally, so recompiling per run would leak."""
-    key = (spec.name, spec.path, spec.content_hash or spec.model_dump_json())
+    """Compile once per workflow content (and limits): python-statemachine registers every
+    class it creates globally, so recompiling per run would leak."""
+    key = (spec.path, spec.content_hash or spec.model_dump_json())
     compiled = _CACHE.get(key)
     if compiled is None:
         compiled = _CACHE[key] = CompiledWorkflow(spec)
+    elif compiled.spec.limits != spec.limits:
+        # Same machine, other limits (--max-iterations, --timeout): share the class.
+        compiled = compiled.with_spec(spec)
     return compiled

@@ -81,6 +81,8 @@ class RunContext:
     iteration: int = 0
     """Model calls made so far (one pass through a thinking state each)."""
     last_completion: Completion | None = None
+    completion_iteration: int = 0
+    """The iteration `last_completion` answered."""
     malformed_reason: str | None = None
     """Why the last model reply was malformed (bad JSON arguments, a tool not offered)."""
     last_results: list[ToolCallRecord] = field(default_factory=list)

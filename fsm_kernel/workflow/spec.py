@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
 __all__ = [
     "TERMINATION_REASONS",
@@ -58,7 +58,12 @@ def _as_list(value: Any) -> Any:
     return value
 
 
-NameList = Annotated[list[str], BeforeValidator(_as_list)]
+NameList = Annotated[
+    list[str],
+    BeforeValidator(_as_list),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+]
+"""A name or a list of names (`guard: x` is `guard: [x]`)."""
 
 
 class _Model(BaseModel):

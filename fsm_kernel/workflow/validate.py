@@ -30,6 +30,9 @@ RESERVED_NAMES = frozenset(
         "allowed_events", "enabled_events", "add_listener", "listeners", "states_map",
         "active_listeners", "cancel_event", "raise_", "error", "state", "initial_state",
         "id", "value", "history", "machine", "source", "target", "event", "transition",
+        "prepare", "catch_errors_as_events", "start_configuration_values",
+        "allow_event_without_transition", "activate_initial_state",
+        "atomic_configuration_update", "bind_events_to", "enable_self_transition_entries",
         EVENT_NAME,
     }
 )  # fmt: skip

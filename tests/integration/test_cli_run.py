@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 
 from fsm_kernel.cli import main
+from fsm_kernel.errors import ToolFatalError
 from fsm_kernel.protocol import EventType
 from fsm_kernel.store import JsonlEventStore, SqliteEventStore
 from tests.fakes.openai_server import (
@@ -226,7 +229,8 @@ def test_progress_goes_to_stderr_not_stdout(
     outcome = cli(capsys, run_args(server.base_url, store, tmp_path))
 
     err = outcome.err.splitlines()
-    assert err[0].startswith("run ") and err[0].endswith("(default)")
+    assert err[0].startswith("run ")
+    assert err[0].endswith("(default)")
     assert "→ observe" in err
     assert "→ think" in err
     assert "  tool datetime({})" in err
@@ -427,7 +431,7 @@ def test_unauthorized(
 def test_request_timeout_is_an_agent_error(
     server: FakeOpenAIServer, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server.enqueue(hang(30, text_reply("late")))
+    server.enqueue(hang(3, text_reply("late")))
 
     outcome = cli(
         capsys, run_args(server.base_url, store, tmp_path, "--json", "--request-timeout", "0.2")
@@ -442,7 +446,7 @@ def test_request_timeout_is_an_agent_error(
 def test_run_timeout(
     server: FakeOpenAIServer, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server.enqueue(hang(30, text_reply("late")))
+    server.enqueue(hang(3, text_reply("late")))
 
     outcome = cli(capsys, run_args(server.base_url, store, tmp_path, "--json", "--timeout", "0.2"))
 
@@ -452,6 +456,107 @@ def test_run_timeout(
     assert result["termination_reason"] == "timeout"
     assert "timed out" in result["error"]
     assert result["iterations"] == 1
+
+
+def test_ctrl_c_cancels_the_run(
+    server: FakeOpenAIServer, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.enqueue(tool_reply(call("datetime", {})), hang(3, text_reply("late")))
+
+    def interrupt() -> None:
+        server.wait_for_requests(2)  # the second model call is in flight
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    outcome = cli(capsys, run_args(server.base_url, store, tmp_path, "--json"))
+    thread.join(timeout=10)
+
+    assert outcome.code == 1
+    result = outcome.json()
+    assert_result_shape(result)
+    assert result["termination_reason"] == "cancelled"
+    assert result["iterations"] == 2
+    assert [c["name"] for c in result["tool_calls"]] == ["datetime"]
+    with SqliteEventStore(store) as events_db:
+        assert events_db.read(result["run_id"])[-1].data["reason"] == "cancelled"
+
+
+def eject(reason: str) -> str:
+    """A user tool that cannot go on.
+
+    Args:
+        reason: Why.
+    """
+    raise ToolFatalError(f"ejected: {reason}")
+
+
+def broken_action(ctx: object) -> None:
+    raise KeyError("a bug in a user action")
+
+
+USER_CODE_WORKFLOW = """\
+name: usercode
+tools: [datetime, "tests.integration.test_cli_run:eject"]
+initial: observe
+states:
+  observe:   {action: session.observe}
+  think:     {action: agent.think}
+  act:       {action: tools.execute}
+  evaluate:  {action: kernel.evaluate}
+  audit:     {action: "tests.integration.test_cli_run:broken_action"}
+  terminate: {final: true}
+transitions:
+  - {source: observe,  target: think}
+  - {source: think,    target: act,       guard: has_tool_calls}
+  - {source: think,    target: audit}
+  - {source: act,      target: evaluate}
+  - {source: evaluate, target: terminate, guard: fatal_tool_error, reason: fatal_tool_error}
+  - {source: evaluate, target: observe}
+  - {source: audit,    target: terminate, reason: final_answer}
+"""
+
+
+def test_fatal_tool_error_from_a_user_tool(
+    server: FakeOpenAIServer, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workflow = tmp_path / "usercode.yaml"
+    workflow.write_text(USER_CODE_WORKFLOW, encoding="utf-8")
+    server.enqueue(tool_reply(call("eject", {"reason": "no fuel"})))
+    args = run_args(server.base_url, store, tmp_path, "--json")
+    args[1] = str(workflow)
+
+    outcome = cli(capsys, args)
+
+    assert outcome.code == 1
+    result = outcome.json()
+    assert result["termination_reason"] == "fatal_tool_error"
+    assert result["workflow"] == "usercode"
+    (record,) = result["tool_calls"]
+    assert record["is_error"]
+    assert "ejected: no fuel" in record["result"]
+    assert {t["function"]["name"] for t in server.requests[0]["tools"]} == {"datetime", "eject"}
+    server.assert_complete()
+
+
+def test_a_raising_action_is_reason_error(
+    server: FakeOpenAIServer, store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workflow = tmp_path / "usercode.yaml"
+    workflow.write_text(USER_CODE_WORKFLOW, encoding="utf-8")
+    server.enqueue(text_reply("All good."))
+    args = run_args(server.base_url, store, tmp_path, "--json")
+    args[1] = str(workflow)
+
+    outcome = cli(capsys, args)
+
+    assert outcome.code == 1
+    result = outcome.json()
+    assert result["termination_reason"] == "error"
+    assert result["response"] == "All good."
+    assert "KeyError" in result["error"]
+    assert "a bug in a user action" in result["error"]
+    assert "\n" not in result["error"]
 
 
 # --- the event store --------------------------------------------------------------------------
@@ -606,6 +711,20 @@ def test_negative_max_iterations_is_a_usage_error(
 
     assert outcome.code == 2
     assert outcome.err.startswith("error: ") or "\nerror: " in outcome.err
+
+
+def test_missing_memory_folder_is_a_clean_error(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-memory-here"
+
+    outcome = cli(
+        capsys, run_args("http://127.0.0.1:9/v1", store, tmp_path, "--memory", str(missing))
+    )
+
+    assert outcome.code != 0
+    assert outcome.err.startswith("error: ")
+    assert str(missing) in outcome.err
 
 
 def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import uuid
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_kernel.errors import StoreConflictError, StoreError, StoreSchemaError
+from fsm_kernel.errors import ConfigError, StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.scheduler import Dispatch, DispatchQueue, DispatchStatus, open_queue
 from fsm_kernel.scheduler.queue import SqliteDispatchQueue
 from tests.unit.test_scheduler_fakes import FakeClock, pg_url
@@ -72,6 +73,7 @@ def test_open_queue_picks_the_backend_and_schema_setup_is_idempotent(
 ) -> None:
     expected = "SqliteDispatchQueue" if not store.startswith("postgresql://") else "Postgres"
     assert type(queue).__name__.startswith(expected)
+    assert isinstance(queue, DispatchQueue)
     queue.ensure_schema()
     queue.ensure_schema()
     enqueue(queue, "a")
@@ -312,6 +314,32 @@ def test_concurrent_claims_from_many_connections_respect_the_cap(
     assert len(set(ids)) == 3
     running = [d for d in queue.list(K) if d.status is DispatchStatus.RUNNING]
     assert len(running) == 3
+
+
+def test_the_queue_shares_the_sqlite_file_with_the_event_log(tmp_path: Path) -> None:
+    from fsm_kernel.store import open_store
+
+    path = tmp_path / "runs.db"
+    open_store(path).close()
+    queue = open_queue(str(path))
+    try:
+        assert queue.enqueue(K, "a", "p", 0, "key") is not None
+    finally:
+        queue.close()
+    events = open_store(path)
+    try:
+        assert events.list_runs() == []
+    finally:
+        events.close()
+    with sqlite3.connect(path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    conn.close()
+    assert {"dispatch_tasks", "scheduler_ticks", "scheduler_schema"} <= tables
+
+
+def test_a_jsonl_store_cannot_hold_the_queue(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="JSON Lines"):
+        open_queue(str(tmp_path / "runs.jsonl"))
 
 
 def test_sqlite_errors_become_store_errors(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_kernel.bootstrap import RunOptions, agent_settings
+from fsm_kernel.bootstrap import RunOptions, agent_settings, apply_limits
 from fsm_kernel.config import (
     DEFAULT_BASE_URL,
     DEFAULT_MODEL,
@@ -159,3 +159,28 @@ def test_layering_defaults_workflow_environment_flags() -> None:
     assert from_env.model == "llama3"
     assert (from_flags.base_url, from_flags.max_retries) == ("http://flag:3/v1", 0)
     assert from_flags.model == "llama3"
+
+
+def test_flag_limits_override_the_workflow() -> None:
+    spec = load_workflow_text(WITH_AGENT_BLOCK)
+
+    changed = apply_limits(spec, RunOptions(max_iterations=0, timeout_seconds=1.5))
+
+    assert changed.limits.max_iterations == 0
+    assert changed.limits.timeout_seconds == 1.5
+    assert changed.limits.max_tool_failures == spec.limits.max_tool_failures
+    assert (changed.path, changed.content_hash) == (spec.path, spec.content_hash)
+    assert spec.limits.max_iterations == 10
+    assert apply_limits(spec, RunOptions()) is spec
+
+
+@pytest.mark.parametrize(
+    "options",
+    [RunOptions(max_iterations=-1), RunOptions(timeout_seconds=-5.0)],
+    ids=["iterations", "timeout"],
+)
+def test_flag_limits_are_validated(options: RunOptions) -> None:
+    spec = load_workflow_text(WITH_AGENT_BLOCK)
+
+    with pytest.raises(ConfigError):
+        apply_limits(spec, options)

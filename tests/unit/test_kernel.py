@@ -647,6 +647,20 @@ def test_agent_error_keeps_the_partial_result(tmp_path: Path) -> None:
     assert_log_shape(result)
 
 
+def test_the_failed_iteration_is_recorded_as_failed(tmp_path: Path) -> None:
+    model = ScriptedModel([calls(tool_call("datetime")), AgentConnectionError("server gone")])
+
+    result = run(make_kernel(model, tmp_path))
+
+    records = [e.data for e in events_of(result, EventType.ITERATION_COMPLETED)]
+    assert [r["step"] for r in records] == [1, 2]
+    failed = records[1]
+    assert failed["tools"] == []
+    assert failed["decision"] != "tool_calls", "step 2 never got a reply; it asked for no tools"
+    assert failed["error"] is not None
+    assert "server gone" in failed["error"]
+
+
 def test_cancelling_the_task_ends_the_run_as_cancelled(tmp_path: Path) -> None:
     async def scenario() -> tuple[RunResult, bool]:
         hang = Hang()
@@ -820,6 +834,46 @@ def test_run_ids_are_distinct_and_can_be_given(tmp_path: Path) -> None:
     assert first.run_id != second.run_id
     assert second.run_id == "my-run"
     assert {e.run_id for e in second.events} == {"my-run"}
+
+
+def test_concurrent_runs_share_a_compiled_workflow(tmp_path: Path) -> None:
+    async def scenario() -> tuple[RunResult, RunResult]:
+        gate = asyncio.Event()
+
+        async def wait_then_answer() -> Completion:
+            await gate.wait()
+            return answer("slow one")
+
+        async def answer_then_open() -> Completion:
+            gate.set()
+            return answer("fast one")
+
+        slow = make_kernel(
+            ScriptedModel([calls(tool_call("datetime")), wait_then_answer]), tmp_path
+        )
+        fast = make_kernel(ScriptedModel([calls(tool_call("done", {"answer": "x"}))]), tmp_path)
+        fast_two = make_kernel(ScriptedModel([answer_then_open]), tmp_path)
+        assert slow.workflow is fast.workflow is fast_two.workflow
+        first, _, second = await asyncio.gather(
+            slow.run("one"), fast.run("two"), fast_two.run("three")
+        )
+        return first, second
+
+    first, second = asyncio.run(scenario())
+
+    assert (first.termination_reason, first.response, first.iterations) == (
+        "final_answer",
+        "slow one",
+        2,
+    )
+    assert (second.termination_reason, second.response, second.iterations) == (
+        "final_answer",
+        "fast one",
+        1,
+    )
+    assert first.run_id != second.run_id
+    assert_log_shape(first)
+    assert_log_shape(second)
 
 
 def test_result_to_dict_is_json(tmp_path: Path) -> None:

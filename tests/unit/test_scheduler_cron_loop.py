@@ -245,6 +245,7 @@ def test_a_failed_cycle_does_not_stop_the_loop(
     async def scenario() -> list[CycleResult]:
         loop = make_loop(tmp_path, queue, runner, clock)
         await loop.sleep.advance()  # 10:10 fails
+        await wait_until(lambda: "failed" in caplog.text, what="the failed cycle")
         await loop.tick(expect_results=1)  # 10:20 works
         await loop.finish()
         return loop.results
@@ -254,5 +255,5 @@ def test_a_failed_cycle_does_not_stop_the_loop(
             results = asyncio.run(scenario())
         finally:
             queue.close()
-    assert [(r.tick, r.succeeded) for r in results] == [(at(10, 20), 1)]
+    assert [(r.tick, r.tick_skipped, r.succeeded) for r in results] == [(at(10, 20), None, 1)]
     assert "cycle of tick 2026-02-11 10:10:00+00:00 failed" in caplog.text

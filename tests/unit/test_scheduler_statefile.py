@@ -143,6 +143,13 @@ def test_state_tools_are_plain_typed_documented_functions(state: StateFile) -> N
     assert state.read() == "# new state"
 
 
+def test_state_tools_accept_a_path(tmp_path: Path) -> None:
+    read_state, write_state = state_tools(tmp_path / "k" / "STATE.md")
+    write_state("hello")
+    assert read_state() == "hello"
+    assert StateFile(tmp_path / "k" / "STATE.md").read() == "hello"
+
+
 def test_state_tool_failures_are_tool_errors(state: StateFile) -> None:
     read_state, write_state = state_tools(state)
     with pytest.raises(ToolExecutionError) as write_err:

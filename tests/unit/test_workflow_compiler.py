@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from statemachine import StateChart
 
+from fsm_kernel.bootstrap import RunOptions, apply_limits
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.protocol import Completion, Message, ToolCall
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
@@ -302,6 +303,19 @@ def test_changed_content_compiles_anew(tmp_path: Path) -> None:
     assert after is not before
     assert after.spec.limits.max_iterations == 4
     assert compile_workflow(load_workflow(path)) is after
+
+
+def test_a_spec_with_overridden_limits_is_not_served_from_the_cache() -> None:
+    # The CLI's --max-iterations/--timeout go through apply_limits (same file, same hash).
+    spec = load_workflow(DEFAULT)
+    plain = compile_workflow(spec)
+
+    tighter = compile_workflow(apply_limits(spec, RunOptions(max_iterations=1, timeout_seconds=5)))
+
+    assert tighter.spec.limits.max_iterations == 1
+    assert tighter.spec.limits.timeout_seconds == 5
+    assert compile_workflow(spec).spec.limits.max_iterations == 10
+    assert plain.spec.limits.max_iterations == 10
 
 
 def test_compiled_actions_are_resolved(default: CompiledWorkflow) -> None:
