@@ -23,7 +23,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 def register(sub: Any) -> None:
     """Add every subcommand to the parser."""
-    from fsm_kernel.cli import diagram_cmd, runs
+    from fsm_kernel.cli import diagram_cmd, runs, schedule_cmd
 
     _add_run(sub)
     p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
@@ -39,6 +39,7 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_workflows)
     runs.register(sub)
     diagram_cmd.register(sub)
+    schedule_cmd.register(sub)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

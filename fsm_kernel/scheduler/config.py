@@ -27,6 +27,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from fsm_kernel.config import default_store_location
 from fsm_kernel.errors import ScheduleError
 from fsm_kernel.scheduler.cron import check_cron_expression
+from fsm_kernel.workflow.loader import StrictBoolLoader
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -144,7 +145,7 @@ def parse_scheduler_config(text: str, *, source: str = "<config>") -> SchedulerC
 
 
 def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
-    loader = yaml.SafeLoader(text)
+    loader = StrictBoolLoader(text)  # `off`/`no` stay strings, as in workflow files
     try:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None

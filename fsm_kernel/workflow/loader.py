@@ -18,20 +18,25 @@ from pydantic import ValidationError
 from fsm_kernel.errors import WorkflowSyntaxError, WorkflowValidationError
 from fsm_kernel.workflow.spec import SourceLocation, WorkflowSpec
 
-__all__ = ["load_workflow", "load_workflow_text", "parse_yaml_with_locations"]
+__all__ = [
+    "StrictBoolLoader",
+    "load_workflow",
+    "load_workflow_text",
+    "parse_yaml_with_locations",
+]
 
 Locations = dict[tuple[Any, ...], SourceLocation]
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader whose booleans are only true/false."""
+class StrictBoolLoader(yaml.SafeLoader):
+    """SafeLoader whose booleans are only true/false (`on`, `off`, `yes`, `no` stay strings)."""
 
 
-_Loader.yaml_implicit_resolvers = {
+StrictBoolLoader.yaml_implicit_resolvers = {
     key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()
 }
-_Loader.add_implicit_resolver(
+StrictBoolLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool",
     re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
     list("tTfF"),
@@ -47,7 +52,7 @@ def _to_data(node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = _Loader(" ").construct_object(key_node)  # a scalar key
+            key = StrictBoolLoader(" ").construct_object(key_node)  # a scalar key
             if not isinstance(key, str | int | float | bool) or key is None:
                 raise WorkflowValidationError(
                     "keys must be plain names", location=_loc(path, key_node)
@@ -61,13 +66,13 @@ def _to_data(node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations)
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_data(item, path, (*keys, i), locs) for i, item in enumerate(node.value)]
-    return _Loader(" ").construct_object(node)
+    return StrictBoolLoader(" ").construct_object(node)
 
 
 def parse_yaml_with_locations(text: str, path: str) -> tuple[Any, Locations]:
     """Parse YAML text; returns plain data and a map from key paths to locations."""
     try:
-        root = yaml.compose(text, Loader=_Loader)
+        root = yaml.compose(text, Loader=StrictBoolLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else None
