@@ -119,9 +119,7 @@ def _assert_complete_log(events: list[Event], iterations: int, reason: str) -> N
     assert steps == Counter(range(1, iterations + 1)), f"each iteration exactly once: {steps}"
     terminated = [e for e in events if e.type == EventType.RUN_TERMINATED]
     assert [e.data["reason"] for e in terminated] == [reason]
-    finished = Counter(
-        e.data["call"]["id"] for e in events if e.type == EventType.TOOL_FINISHED
-    )
+    finished = Counter(e.data["call"]["id"] for e in events if e.type == EventType.TOOL_FINISHED)
     assert all(n == 1 for n in finished.values()), f"a tool result recorded twice: {finished}"
 
 
@@ -249,7 +247,8 @@ def test_resume_refuses_a_changed_workflow_unless_forced(tmp_path: Path, servers
         env=_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 1
-    assert "workflow changed" in refused.stderr and "--force" in refused.stderr
+    assert "workflow changed" in refused.stderr
+    assert "--force" in refused.stderr
     forced = subprocess.run(
         _cli("resume", run_id, "--force", "--base-url", second.base_url, "--store", str(store),
              "--json"),
@@ -307,7 +306,8 @@ def test_replay_reports_where_an_edited_workflow_diverges(tmp_path: Path, capsys
     assert code == 1
     # steps: observe→think, think→act, act→evaluate, then evaluate decides differently
     assert "diverged at step 4 (iteration 1)" in out
-    assert "evaluate → observe" in out and "evaluate → terminate [has_tool_calls] → done" in out
+    assert "evaluate → observe" in out
+    assert "evaluate → terminate [has_tool_calls] → done" in out
 
 
 def test_runs_show_lists_every_iteration(tmp_path: Path, capsys) -> None:
@@ -330,4 +330,5 @@ def test_runs_show_lists_every_iteration(tmp_path: Path, capsys) -> None:
     assert len(capsys.readouterr().out.splitlines()) == len(lines)
     assert main(["runs", "list", "--store", str(store), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert listed[0]["iterations"] == 3 and listed[0]["termination_reason"] == "final_answer"
+    assert listed[0]["iterations"] == 3
+    assert listed[0]["termination_reason"] == "final_answer"
