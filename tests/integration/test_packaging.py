@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_wheel_ships_stock_workflows_memory_and_plugin(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
          "-w", str(tmp_path), str(ROOT)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
