@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from fsm_kernel.errors import StoreError
-from fsm_kernel.protocol import Clock, SystemClock
+from fsm_kernel.protocol import Clock, SystemClock, new_id
 from fsm_kernel.scheduler.config import SchedulerConfig
 from fsm_kernel.scheduler.cron import CronSchedule
 from fsm_kernel.scheduler.executor import (
@@ -153,7 +153,9 @@ class Scheduler:
             logger.warning("tick %s skipped: the previous cycle is still running", tick)
             return CycleResult(tick=tick, tick_skipped="overlap")
         async with self._cycle_lock:
-            return await self._cycle(tick)
+            # A cycle for a given tick is deduplicated per tick (several schedulers may fire
+            # it); a cycle for "now" (--once) always dispatches, however soon after the last.
+            return await self._cycle(tick, scheduled=now is not None)
 
     async def run_forever(self, stop_event: asyncio.Event | None = None) -> None:
         """Tick until `stop_event` is set or stop() is called, then let the running cycle end."""
@@ -181,11 +183,12 @@ class Scheduler:
             if watcher is not None:
                 watcher.cancel()
 
-    async def _cycle(self, tick: datetime) -> CycleResult:
+    async def _cycle(self, tick: datetime, *, scheduled: bool = True) -> CycleResult:
         state = await asyncio.to_thread(self._prepare_and_read_state)
         latest = await asyncio.to_thread(self.queue.latest_per_agent, self.config.kernel_id)
         plan = plan_dispatches(self.config.agents, state, latest)
-        enqueued, duplicates = await self._enqueue(plan, tick)
+        stamp = tick_key(tick).isoformat() if scheduled else f"manual:{new_id()}"
+        enqueued, duplicates = await self._enqueue(plan, stamp)
         details = await self._drain() if not self.stopping else []
         return _summarize(tick, plan, enqueued, duplicates, details)
 
@@ -197,10 +200,9 @@ class Scheduler:
             self.state_file.seed(self.config.seed_state)
         return self.state_file.read()
 
-    async def _enqueue(self, plan: Plan, tick: datetime) -> tuple[list[str], list[SkippedAgent]]:
+    async def _enqueue(self, plan: Plan, stamp: str) -> tuple[list[str], list[SkippedAgent]]:
         enqueued: list[str] = []
         duplicates: list[SkippedAgent] = []
-        stamp = tick_key(tick).isoformat()
         for item in plan.dispatches:
             agent = item.agent
             dispatch = await asyncio.to_thread(

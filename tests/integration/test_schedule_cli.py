@@ -190,7 +190,9 @@ def test_once_exits_0_when_every_dispatch_succeeds_and_json_prints_one_cycle(
         "breaker": "done",
     }
     assert sorted(d["dispatch_id"] for d in cycle["details"]) == sorted(cycle["enqueued_ids"])
-    assert cycle["skipped_agents"] == [{"agent_id": "off", "reason": "disabled", "dispatch_id": None}]
+    assert cycle["skipped_agents"] == [
+        {"agent_id": "off", "reason": "disabled", "dispatch_id": None}
+    ]
     server.assert_complete()
 
 
@@ -391,7 +393,7 @@ def test_an_invalid_config_exits_2_pointing_at_the_offending_node(
     message: str,
 ) -> None:
     config = copy_config(name, workdir)
-    argv = [command, config] + (["--once"] if command == "schedule" else [])
+    argv = [command, config, *(["--once"] if command == "schedule" else [])]
 
     result = cli(capsys, *argv)
 
@@ -400,7 +402,8 @@ def test_an_invalid_config_exits_2_pointing_at_the_offending_node(
     line = result.err.strip()
     assert line.startswith(f"error: {where} "), line
     assert message in line
-    assert "\n" not in line and "Traceback" not in line
+    assert "\n" not in line
+    assert "Traceback" not in line
     assert server.requests == []
 
 
@@ -410,8 +413,10 @@ def test_an_agent_naming_a_missing_workflow_exits_2_naming_it_before_anything_ru
 ) -> None:
     config = copy_config("missing_workflow.yaml", workdir)
     argv = [command, config, "--base-url", server.base_url]
+    if command == "schedule":
+        argv.append("--once")
 
-    result = cli(capsys, *(argv + ["--once"] if command == "schedule" else argv))
+    result = cli(capsys, *argv)
 
     assert result.code == 2
     assert "no_such_workflow_9d2e" in result.err

@@ -77,7 +77,8 @@ def test_all_succeed(tmp_path: Path, queue: SqliteDispatchQueue, clock: FakeCloc
             "done",
             "sched-1",
         )
-        assert row.dedupe_key == f"k1:{row.agent_id}:2026-02-11T10:00:30+00:00"
+        # a cycle for "now" (--once) is never deduplicated against an earlier one
+        assert row.dedupe_key.startswith(f"k1:{row.agent_id}:manual:")
     assert {d.status for d in result.details} == {ExecutionStatus.DONE}
     assert set(result.enqueued_ids) == {d.dispatch_id for d in result.details}
     json.dumps(result.to_dict())
