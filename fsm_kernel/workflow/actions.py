@@ -18,6 +18,7 @@ from typing import Any
 
 from fsm_kernel.errors import FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
+from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "resolve_ref",
 ]
 
-DONE_TOOL = "done"
 GuardFn = Callable[[RunContext], bool]
 ActionFn = Callable[[RunContext], Awaitable[None] | None]
 
