@@ -12,11 +12,11 @@ from fsm_kernel.bootstrap import RunOptions, build_tools
 from fsm_kernel.testing import (
     ScriptedChatModel,
     WorkflowHarness,
-    assert_all_transitions_covered,
     bad_call,
     call,
 )
 from fsm_kernel.workflow.loader import load_workflow
+from tests.workflows._table import check_case, check_coverage
 
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 HARNESS = WorkflowHarness(WORKFLOWS / "default.yaml")
@@ -54,14 +54,11 @@ CASES = [
 
 @pytest.mark.parametrize(("state", "ctx", "target", "reason"), CASES)
 def test_transition(state: str, ctx: dict[str, Any], target: str, reason: str | None) -> None:
-    fired = HARNESS.step(state, **ctx)
-    assert (fired.target, fired.reason) == (target, reason)
+    check_case(HARNESS, state, ctx, target, reason)
 
 
 def test_every_declared_transition_has_a_case() -> None:
-    harness = WorkflowHarness(WORKFLOWS / "default.yaml")
-    observed = [harness.step(p.values[0], **p.values[1]) for p in CASES]
-    assert_all_transitions_covered(harness, observed)
+    check_coverage(WORKFLOWS / "default.yaml", CASES)
 
 
 def test_run_reads_a_file_then_answers(tmp_path: Path) -> None:

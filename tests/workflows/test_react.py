@@ -10,10 +10,10 @@ import pytest
 from fsm_kernel.testing import (
     ScriptedChatModel,
     WorkflowHarness,
-    assert_all_transitions_covered,
     bad_call,
     call,
 )
+from tests.workflows._table import check_case, check_coverage
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "react.yaml"
 HARNESS = WorkflowHarness(WORKFLOW)
@@ -49,14 +49,11 @@ CASES = [
 
 @pytest.mark.parametrize(("state", "ctx", "target", "reason"), CASES)
 def test_transition(state: str, ctx: dict[str, Any], target: str, reason: str | None) -> None:
-    fired = HARNESS.step(state, **ctx)
-    assert (fired.target, fired.reason) == (target, reason)
+    check_case(HARNESS, state, ctx, target, reason)
 
 
 def test_every_declared_transition_has_a_case() -> None:
-    harness = WorkflowHarness(WORKFLOW)
-    observed = [harness.step(p.values[0], **p.values[1]) for p in CASES]
-    assert_all_transitions_covered(harness, observed)
+    check_coverage(WORKFLOW, CASES)
 
 
 def test_run_reasons_without_tools_before_each_action(tmp_path: Path) -> None:

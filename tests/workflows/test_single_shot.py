@@ -10,9 +10,9 @@ import pytest
 from fsm_kernel.testing import (
     ScriptedChatModel,
     WorkflowHarness,
-    assert_all_transitions_covered,
     call,
 )
+from tests.workflows._table import check_case, check_coverage
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "single_shot.yaml"
 HARNESS = WorkflowHarness(WORKFLOW)
@@ -28,14 +28,11 @@ CASES = [
 
 @pytest.mark.parametrize(("state", "ctx", "target", "reason"), CASES)
 def test_transition(state: str, ctx: dict[str, Any], target: str, reason: str | None) -> None:
-    fired = HARNESS.step(state, **ctx)
-    assert (fired.target, fired.reason) == (target, reason)
+    check_case(HARNESS, state, ctx, target, reason)
 
 
 def test_every_declared_transition_has_a_case() -> None:
-    harness = WorkflowHarness(WORKFLOW)
-    observed = [harness.step(p.values[0], **p.values[1]) for p in CASES]
-    assert_all_transitions_covered(harness, observed)
+    check_coverage(WORKFLOW, CASES)
 
 
 def test_the_workflow_offers_no_tools_and_one_call() -> None:
