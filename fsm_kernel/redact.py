@@ -1,0 +1,110 @@
+"""Secrets never leave the process: the one redaction layer every way out goes through.
+
+Two kinds of secret are replaced by `[REDACTED]`:
+
+* the values registered with `register_secret` (the configured API key: `HttpChatModel`
+  registers it when it is built, so a key echoed back by a server is caught byte for byte);
+* anything that looks like a credential whoever configured it: `Bearer <token>`,
+  `Authorization: <value>`, OpenAI-style `sk-…` keys, and the password of a
+  `scheme://user:password@host` URL or a libpq `password=…` keyword.
+
+`redact` takes text, `redact_data` any JSON-like value (dicts, lists, strings; keys stay as
+they are). Both are pure functions of their input and the registry, cheap on text that holds
+no secret (one regex scan), and idempotent.
+
+The ways out that call it: the model client's errors (at the source), the run recorder (every
+event before it is stored), the CLI's stdout/stderr and log handler, exports and diagrams.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["REDACTED", "redact", "redact_data", "register_secret", "registered_secrets"]
+
+REDACTED = "[REDACTED]"
+
+_MIN_SECRET_LENGTH = 6
+"""Shorter registered values are ignored: redacting "abc" everywhere would garble output and
+such a value is not a real credential anyway."""
+
+_PATTERNS = re.compile(
+    r"(?P<bearer>(?i:bearer)\s+)[A-Za-z0-9._~+/=-]{6,}"
+    r"|(?P<auth>(?i:authorization)\"?\s*[:=]\s*\"?(?:[A-Za-z]+\s+)?)[^\s\"',;]{6,}"
+    r"|(?P<sk>\bsk-)[A-Za-z0-9_-]{12,}"
+    r"|(?P<url>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+(?=@)"
+    r"|(?P<kw>\bpassword\s*=\s*)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)"
+)
+
+_lock = threading.Lock()
+_secrets: tuple[str, ...] = ()
+_secret_pattern: re.Pattern[str] | None = None
+
+
+def register_secret(value: str | None) -> None:
+    """Redact `value` wherever it appears from now on (for the life of the process)."""
+    global _secrets, _secret_pattern
+    if not value or len(value) < _MIN_SECRET_LENGTH:
+        return
+    with _lock:
+        if value in _secrets:
+            return
+        # Longest first, so a key that contains another registered key is replaced whole.
+        _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
+        _secret_pattern = re.compile("|".join(re.escape(s) for s in _secrets))
+
+
+def registered_secrets() -> tuple[str, ...]:
+    """The values registered so far (for tests)."""
+    return _secrets
+
+
+def _forget_secrets() -> None:
+    """Drop every registered value (tests only)."""
+    global _secrets, _secret_pattern
+    with _lock:
+        _secrets = ()
+        _secret_pattern = None
+
+
+def _replace(match: re.Match[str]) -> str:
+    for group in ("bearer", "auth", "sk", "url", "kw"):
+        prefix = match.group(group)
+        if prefix is not None:
+            return prefix + REDACTED
+    return REDACTED  # pragma: no cover - every alternative has a named prefix group
+
+
+def redact(text: str) -> str:
+    """`text` with every registered secret and credential-looking token replaced."""
+    pattern = _secret_pattern
+    if pattern is not None and pattern.search(text):
+        text = pattern.sub(REDACTED, text)
+    if _PATTERNS.search(text):
+        text = _PATTERNS.sub(_replace, text)
+    return text
+
+
+def redact_data(value: Any) -> Any:
+    """A copy of a JSON-like value with every string redacted; the input is not changed.
+    Values that hold no secret are returned as they are (no copy)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        out = {k: redact_data(v) for k, v in value.items()}
+        return value if all(out[k] is value[k] for k in value) else out
+    if isinstance(value, list | tuple):
+        items = [redact_data(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(items) if isinstance(value, tuple) else items
+    return value
+
+
+def redact_lines(lines: Iterable[str]) -> Iterable[str]:
+    """Each line redacted (for streamed exports)."""
+    for line in lines:
+        yield redact(line)
