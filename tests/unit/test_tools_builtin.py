@@ -200,6 +200,74 @@ def test_symlinks_staying_inside_are_followed(registry: ToolRegistry, workspace:
     assert execute(registry, "read_file", path="sub/alias.txt").content == "hello\nworld\n"
 
 
+def test_relative_symlinks_inside_resolve_from_the_link_directory(
+    registry: ToolRegistry, workspace: Path
+) -> None:
+    os.symlink("../notes.txt", workspace / "sub" / "up.txt")
+    os.symlink("sub/deeper", workspace / "deep")
+    os.symlink("deep", workspace / "deep2")  # a link to a link
+    os.symlink(workspace, workspace / "sub" / "home")  # the root itself, absolute
+    assert execute(registry, "read_file", path="sub/up.txt").content == "hello\nworld\n"
+    assert execute(registry, "list_directory", path="deep2").content == "(empty directory)"
+    # `..` after a symlinked directory climbs from where the link leads, as the OS does.
+    assert execute(registry, "read_file", path="deep2/../a.md").content == "# A"
+    assert execute(registry, "read_file", path="sub/home/sub/home/notes.txt").content == (
+        "hello\nworld\n"
+    )
+
+
+def test_relative_symlinks_climbing_out_are_refused(
+    registry: ToolRegistry, workspace: Path
+) -> None:
+    os.symlink("../../secret.txt", workspace / "sub" / "esc.txt")
+    os.symlink("../../..", workspace / "sub" / "deeper" / "esc")
+    for tool_name, path in [("read_file", "sub/esc.txt"), ("list_directory", "sub/deeper/esc")]:
+        result = execute(registry, tool_name, path=path)
+        assert result.error_type == "ToolArgumentsError", path
+        assert result.content.startswith(f"path {path!r} is outside the workspace")
+
+
+@pytest.mark.parametrize("tool_name", ["read_file", "list_directory"])
+def test_symlink_loops_are_refused(registry: ToolRegistry, workspace: Path, tool_name: str) -> None:
+    os.symlink("loop", workspace / "loop")
+    os.symlink("ping", workspace / "pong")
+    os.symlink("pong", workspace / "ping")
+    for path in ["loop", "ping", "ping/x.txt"]:
+        result = execute(registry, tool_name, path=path)
+        assert result.error_type == "ToolArgumentsError", path
+        assert result.content == (
+            f"invalid path {path!r}: more than 40 symlinks to follow (a symlink loop?)"
+        )
+
+
+def test_a_chain_of_40_symlinks_is_followed_and_41_is_not(
+    registry: ToolRegistry, workspace: Path
+) -> None:
+    os.symlink("notes.txt", workspace / "l1")
+    for i in range(2, 42):
+        os.symlink(f"l{i - 1}", workspace / f"l{i}")
+    assert execute(registry, "read_file", path="l40").content == "hello\nworld\n"
+    assert execute(registry, "read_file", path="l41").error_type == "ToolArgumentsError"
+
+
+def test_a_file_used_as_a_directory_does_not_exist(registry: ToolRegistry) -> None:
+    result = execute(registry, "read_file", path="notes.txt/x")
+    assert (result.error_type, result.content) == (
+        "ToolExecutionError",
+        "'notes.txt/x' does not exist",
+    )
+
+
+def test_read_file_refuses_a_fifo_without_hanging(registry: ToolRegistry, workspace: Path) -> None:
+    os.mkfifo(workspace / "pipe")
+    registry.default_timeout = 5.0  # a blocking open would end as ToolTimeoutError
+    result = execute(registry, "read_file", path="pipe")
+    assert (result.error_type, result.content) == (
+        "ToolExecutionError",
+        "'pipe' is a FIFO, not a regular file; only regular files can be read",
+    )
+
+
 def test_workspace_given_as_a_relative_path_is_resolved(
     workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,10 +310,59 @@ def test_list_directory_errors(registry: ToolRegistry, workspace: Path) -> None:
     assert a_file.content == "'notes.txt' is a file, not a directory; use read_file"
 
 
-def test_list_directory_shows_a_dangling_symlink(registry: ToolRegistry, workspace: Path) -> None:
-    os.symlink(workspace / "gone", workspace / "sub" / "deeper" / "dangling")
+def test_list_directory_shows_symlinks_as_links(registry: ToolRegistry, workspace: Path) -> None:
+    deeper = workspace / "sub" / "deeper"
+    os.symlink(workspace / "gone", deeper / "dangling")
+    os.symlink("../a.md", deeper / "inside.md")
+    os.symlink("..", deeper / "parent")
+    assert execute(registry, "list_directory", path="sub/deeper").content == "\n".join(
+        [
+            f"dangling -> {workspace / 'gone'} (symlink)",
+            "inside.md -> ../a.md (symlink)",
+            "parent -> .. (symlink)",
+        ]
+    )
+
+
+def test_list_directory_never_shows_what_an_outside_symlink_points_at(
+    registry: ToolRegistry, workspace: Path
+) -> None:
+    outside_file = workspace.parent / "secret.txt"
+    os.symlink(outside_file, workspace / "sub" / "deeper" / "leak.txt")
+    os.symlink(workspace.parent, workspace / "sub" / "deeper" / "up")
+    assert execute(registry, "list_directory", path="sub/deeper").content == "\n".join(
+        [f"leak.txt -> {outside_file} (symlink)", f"up -> {workspace.parent} (symlink)"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("evil\nnotes.txt (999 bytes)", "'evil\\nnotes.txt (999 bytes)' (2 bytes)"),
+        ("\x1b[31mred\x1b[0m", "'\\x1b[31mred\\x1b[0m' (2 bytes)"),
+        ("tab\there", "'tab\\there' (2 bytes)"),
+        ("\u202eexe.txt", "'\\u202eexe.txt' (2 bytes)"),  # right-to-left override
+        (" padded ", "' padded ' (2 bytes)"),
+        ("'quoted'", "\"'quoted'\" (2 bytes)"),
+        ("plain name é.txt", "plain name é.txt (2 bytes)"),
+    ],
+)
+def test_list_directory_quotes_odd_names(
+    registry: ToolRegistry, workspace: Path, name: str, shown: str
+) -> None:
+    (workspace / "sub" / "deeper" / name).write_bytes(b"hi")
+    assert execute(registry, "list_directory", path="sub/deeper").content == shown
+
+
+def test_list_directory_quotes_odd_symlink_targets(registry: ToolRegistry, workspace: Path) -> None:
+    os.symlink("a\nb (5 bytes)", workspace / "sub" / "deeper" / "link")
     content = execute(registry, "list_directory", path="sub/deeper").content
-    assert content == "dangling (unreadable)"
+    assert content == "link -> 'a\\nb (5 bytes)' (symlink)"
+
+
+def test_list_directory_shows_a_fifo_as_such(registry: ToolRegistry, workspace: Path) -> None:
+    os.mkfifo(workspace / "sub" / "deeper" / "pipe")
+    assert execute(registry, "list_directory", path="sub/deeper").content == "pipe (FIFO)"
 
 
 # --- done -------------------------------------------------------------------------------------
