@@ -54,6 +54,8 @@ def resolve_workflow(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise WorkflowValidationError(f"{name_or_path}: is a folder; give a workflow .yaml file")
     stock = package_data_dir("workflows")
     if stock is not None and "/" not in str(name_or_path):
         candidate = stock / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")

@@ -187,7 +187,7 @@ class Kernel:
                 ctx.state_spec = self.spec.states[state]
                 await action(ctx)
                 recorder.iteration = ctx.iteration
-            fired = machine.step()
+            fired = await machine.advance()
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
             if fired.final:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsm_kernel.protocol import Clock, Event, EventStore, EventType, SystemClock
+from fsm_kernel.redact import redact_data
 
 __all__ = ["RunRecorder"]
 
@@ -58,6 +59,7 @@ class RunRecorder:
         self.record(type_, data)
 
     def record(self, type_: EventType, data: dict[str, Any]) -> Event:
+        data = redact_data(data)  # nothing secret reaches the store, the log or a watcher
         if self.catching_up:
             matched = self._match(type_, data)
             if matched is not None:

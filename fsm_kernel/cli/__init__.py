@@ -7,6 +7,7 @@ termination reason or a runtime failure; 2 bad usage or an invalid workflow/conf
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +15,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from fsm_kernel import __version__
+from fsm_kernel.cli.args import check_text_arguments
+from fsm_kernel.cli.terminal import safe_stdio
 from fsm_kernel.errors import (
     ConfigError,
     FsmKernelError,
@@ -22,18 +25,45 @@ from fsm_kernel.errors import (
     WorkflowError,
 )
 
-__all__ = ["main"]
+__all__ = ["UsageError", "main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 Handler = Callable[[argparse.Namespace], int]
 
 
+class UsageError(Exception):
+    """argparse refused the command line (the message is argparse's)."""
+
+    def __init__(self, message: str, parser: argparse.ArgumentParser) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
 class _Parser(argparse.ArgumentParser):
+    """Every (sub)parser accepts the global flags, so `--debug` and `-v` work before or after
+    the command name; errors are raised for main() to report (as JSON too, under --json)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("conflict_handler", "resolve")  # TEMP until schedule_cmd drops -v
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a flag given before the command is not reset by the subcommand's parser.
+        self.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show tracebacks (for bug reports)",
+        )
+        self.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="debug logs on stderr, each line tagged with the run id",
+        )
+
     def error(self, message: str) -> None:  # type: ignore[override]  # argparse's is NoReturn
-        self.print_usage(sys.stderr)
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise UsageError(message, self)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
         "event store: FSM_KERNEL_STORE.",
     )
     parser.add_argument("--version", action="version", version=f"fsm-kernel {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks (for bug reports)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     commands.register(sub)
@@ -97,42 +126,61 @@ def configure_logging(verbose: bool) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    with configure_logging(getattr(args, "verbose", False)):
-        return _call(args)
+    """Entry point of the console script; returns the exit code.
+
+    Everything printed goes through the terminal's SafeStream (secrets redacted, control
+    characters escaped). Under --json, every failure still prints one JSON object on stdout.
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    with safe_stdio():
+        try:
+            args = build_parser().parse_args(arguments)
+            check_text_arguments(args)
+        except UsageError as exc:
+            hint = f" (see '{exc.parser.prog} --help')"
+            return _fail(f"{exc}{hint}", EXIT_USAGE, as_json="--json" in arguments)
+        except ConfigError as exc:
+            return _fail(f"{exc}", EXIT_USAGE, as_json="--json" in arguments)
+        args.debug = getattr(args, "debug", False)
+        args.verbose = getattr(args, "verbose", False)
+        with configure_logging(args.verbose):
+            return _call(args)
+
+
+def _fail(message: str, code: int, *, as_json: bool) -> int:
+    """Report a failure on stderr, and as one JSON object on stdout under --json."""
+    print(f"error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False))
+    return code
 
 
 def _call(args: argparse.Namespace) -> int:
     handler: Handler = args.handler
+    as_json = bool(getattr(args, "json", False))
     try:
         return handler(args)
     except (WorkflowError, ConfigError, ScheduleError, MemoryStoreError) as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(str(exc), EXIT_USAGE, as_json=as_json)
     except FsmKernelError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAIL
+        return _fail(str(exc), EXIT_FAIL, as_json=as_json)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return EXIT_FAIL
+        return _fail("interrupted", EXIT_FAIL, as_json=as_json)
     except BrokenPipeError:
         return EXIT_FAIL
     except Exception as exc:  # a bug: one line, not a traceback, unless --debug
         if args.debug:
             raise
         logging.getLogger(__name__).debug("internal error", exc_info=True)
-        print(
-            f"error: internal error: {type(exc).__name__}: {exc} (rerun with --debug for "
-            "the traceback)",
-            file=sys.stderr,
+        return _fail(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            EXIT_FAIL,
+            as_json=as_json,
         )
-        return EXIT_FAIL
 
 
 def entry() -> None:  # pragma: no cover - thin wrapper used by `python -m fsm_kernel`

@@ -12,6 +12,7 @@ from typing import Any
 
 from fsm_kernel.bootstrap import RunOptions, build_kernel, list_stock_workflows, resolve_workflow
 from fsm_kernel.cli import output
+from fsm_kernel.cli.args import count, existing_dir, read_prompt, seconds
 from fsm_kernel.config import default_store_location
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import EventStore
@@ -51,32 +52,34 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--request-timeout",
-        type=float,
+        type=seconds,
         metavar="SECONDS",
-        help="seconds to wait for one model answer (default 120)",
+        help="deadline for one model answer, the whole response included (default 120; "
+        "0 = none)",
     )
     g.add_argument(
         "--max-retries",
-        type=int,
+        type=count(0, 100),
         metavar="N",
         help="retries on connection errors, 429 and 5xx (default 3)",
     )
     g = p.add_argument_group("run")
     g.add_argument(
         "--max-iterations",
-        type=int,
+        type=count(0, 1_000_000),
         metavar="N",
         help="cap on model calls (0 = unlimited; default from the workflow)",
     )
     g.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         metavar="SECONDS",
         dest="timeout_seconds",
         help="wall-clock limit for the run (0 = none)",
     )
     g.add_argument(
         "--workspace",
+        type=existing_dir,
         metavar="DIR",
         help="root the file tools are confined to (default: current directory)",
     )
@@ -91,7 +94,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print exactly one JSON object with the result on stdout",
     )
-    g.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
 
 
 def _add_run(sub: Any) -> None:
@@ -99,14 +101,26 @@ def _add_run(sub: Any) -> None:
         "run",
         help="run a workflow on a prompt",
         description="Run WORKFLOW (a file, or a stock name such as 'default' or 'react') on "
-        "--prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
+        "the prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
         "answer, the tool calls and the termination reason to stdout.",
     )
     p.add_argument("workflow", metavar="WORKFLOW")
-    p.add_argument("--prompt", "-p", required=True, help="the task for the agent")
+    p.add_argument(
+        "--prompt",
+        "-p",
+        metavar="TEXT",
+        help="the task for the agent; '-' reads it from stdin (bytes that are not UTF-8 "
+        "become U+FFFD)",
+    )
+    p.add_argument(
+        "--prompt-file", metavar="PATH", help="read the task from a file (for long prompts)"
+    )
     p.add_argument("--system-prompt", help="replace the workflow's system prompt")
     p.add_argument(
-        "--memory", metavar="DIR", help="folder of *.md files appended to the system prompt"
+        "--memory",
+        type=existing_dir,
+        metavar="DIR",
+        help="folder of *.md files appended to the system prompt",
     )
     add_model_flags(p)
     p.set_defaults(handler=cmd_run)
@@ -183,7 +197,8 @@ def execute(args: argparse.Namespace, start: Any) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return execute(args, lambda kernel: _start_run(kernel, args.prompt))
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    return execute(args, lambda kernel: _start_run(kernel, prompt))
 
 
 def _start_run(kernel: Kernel, prompt: str) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.errors import ConfigError
+from fsm_kernel.redact import redact
 
 if TYPE_CHECKING:
     from fsm_kernel.diagram import RunOverlay
@@ -103,6 +104,7 @@ def _emit(spec: WorkflowSpec, overlay: RunOverlay | None, fmt: str, output: str 
     from fsm_kernel.diagram import RENDER_FORMATS, render, to_dot, to_mermaid
 
     text = to_mermaid(spec, overlay=overlay) if fmt == "mermaid" else to_dot(spec, overlay=overlay)
+    text = redact(text)  # a run's error text is drawn on the diagram
     if output is None:
         if fmt in RENDER_FORMATS:
             raise ConfigError(f"{fmt} is a binary format: give -o FILE.{fmt}")
@@ -118,12 +120,11 @@ def _emit(spec: WorkflowSpec, overlay: RunOverlay | None, fmt: str, output: str 
 
 
 def _load_spec(workflow: str | None, overlay: RunOverlay | None) -> WorkflowSpec:
-    from fsm_kernel.bootstrap import resolve_workflow
-    from fsm_kernel.workflow.loader import load_workflow
+    from fsm_kernel.cli.commands import load_spec
 
     if workflow is None:
         workflow = _workflow_of_run(overlay)
-    return load_workflow(resolve_workflow(workflow))
+    return load_spec(workflow)  # its own modules import as under `run`
 
 
 def _workflow_of_run(overlay: RunOverlay | None) -> str:
@@ -188,14 +189,14 @@ def _check_folder_args(args: argparse.Namespace) -> None:
 
 
 def _load_folder(folder: Path) -> list[tuple[str, WorkflowSpec]]:
-    from fsm_kernel.workflow.loader import load_workflow
+    from fsm_kernel.cli.commands import load_spec
 
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder")
     paths = sorted(folder.glob("*.yaml"))
     if not paths:
         raise ConfigError(f"{folder}: no *.yaml workflow files")
-    return [(path.stem, load_workflow(path)) for path in paths]
+    return [(path.stem, load_spec(str(path))) for path in paths]
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
 from fsm_kernel.protocol import Event, EventType
 
@@ -29,7 +30,13 @@ def register(sub: Any) -> None:
     runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     p = rsub.add_parser("list", help="recent runs: id, workflow, start, iterations, reason, goal")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument(
+        "--limit",
+        type=count(1, 1_000_000),
+        default=20,
+        metavar="N",
+        help="show the N most recent runs (default 20)",
+    )
     p.add_argument("--json", action="store_true")
     _store_flag(p)
     p.set_defaults(handler=cmd_runs_list)
@@ -87,7 +94,9 @@ def _open(args: argparse.Namespace) -> Any:
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     with _open(args) as store:
-        runs = store.list_runs(limit=args.limit)
+        runs = store.list_runs(limit=args.limit + 1)  # one more tells whether there are more
+    more = len(runs) > args.limit
+    runs = runs[: args.limit]
     if args.json:
         print(json.dumps([r.to_dict() for r in runs], ensure_ascii=False))
         return EXIT_OK
@@ -100,6 +109,11 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
             f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
             f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
             f"{r.termination_reason or '(running)':16}  {cut(r.goal, 50)}"
+        )
+    if more:
+        print(
+            f"(showing the {args.limit} most recent runs; there are more: --limit N)",
+            file=sys.stderr,
         )
     return EXIT_OK
 

@@ -9,9 +9,12 @@ exception ends the run with reason `error`.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import importlib
 import inspect
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,7 @@ __all__ = [
     "ActionDef",
     "GuardFn",
     "RefError",
+    "in_thread",
     "resolve_action",
     "resolve_guard",
     "resolve_ref",
@@ -52,6 +56,53 @@ class ActionDef:
         result = self.fn(ctx)
         if inspect.isawaitable(result):
             await result
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread of its own, awaited without blocking the event loop.
+
+    Users' plain functions (actions, guards) run this way, so one that blocks cannot hold the
+    loop: the run's deadline and Ctrl-C still fire on time. A thread that never returns cannot
+    be killed; being a daemon, it does not keep the process alive once the run has ended.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()  # the run id of log lines, as on the loop
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the run stopped waiting (deadline, cancellation)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (context.run(fn, *args), None)
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed while the code ran: nobody is waiting
+            pass
+
+    name = getattr(fn, "__qualname__", "user code")
+    threading.Thread(target=work, name=f"fsm-kernel: {name}", daemon=True).start()
+    return await future
+
+
+def _threaded(fn: ActionFn) -> ActionFn:
+    """A user's action: coroutine functions run on the loop, plain functions in a thread."""
+    if inspect.iscoroutinefunction(fn):
+        return fn
+
+    async def run_in_thread(ctx: RunContext) -> None:
+        result = await in_thread(fn, ctx)
+        if inspect.isawaitable(result):
+            await result
+
+    return run_in_thread
 
 
 # --- actions -----------------------------------------------------------------------------
@@ -145,17 +196,31 @@ def _add_tool_result(
     ctx.last_results.append(record)
 
 
+_NOT_RUN = "TooManyToolCalls"
+"""error_type of a call refused for limits.max_tool_calls_per_reply."""
+
+
 async def tools_execute(ctx: RunContext) -> None:
     """Run the tool calls of the last model reply, in order; results go back to the model."""
     if ctx.tools is None or ctx.last_completion is None:
         return
     ctx.last_results = []
-    for call in ctx.last_completion.message.tool_calls:
+    calls = ctx.last_completion.message.tool_calls
+    cap = ctx.limits.max_tool_calls_per_reply
+    for call in calls[:cap]:
         ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
         started = ctx.clock.monotonic()
         result = await ctx.tools.execute(call)
         duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
         _add_tool_result(ctx, call, result, duration_ms=duration_ms, malformed=False)
+    for call in calls[cap:]:
+        refused = ToolResult(
+            content=f"error: not executed: at most {cap} tool calls are run per reply "
+            "(limits.max_tool_calls_per_reply); make the remaining calls in your next reply",
+            is_error=True,
+            error_type=_NOT_RUN,
+        )
+        _add_tool_result(ctx, call, refused, duration_ms=0.0, malformed=False)
     update_tool_counters(ctx)
 
 
@@ -163,6 +228,8 @@ def update_tool_counters(ctx: RunContext) -> None:
     """Failure streak, repeated calls, done and fatal flags from the last results."""
     for record in ctx.last_results:
         call, result = record.call, record.result
+        if result.error_type == _NOT_RUN:
+            continue  # refused for the per-reply cap: the tool itself did not fail
         ctx.failure_streak = ctx.failure_streak + 1 if result.is_error else 0
         key = json.dumps([call.name, call.arguments], sort_keys=True)
         ctx.repeat_count = ctx.repeat_count + 1 if key == ctx.last_call_key else 1
@@ -264,7 +331,7 @@ def resolve_action(name: str) -> ActionDef:
         known = ", ".join(sorted(BUILTIN_ACTIONS))
         raise RefError(f"unknown action {name!r} (built-in: {known}; or package.module:function)")
     fn = resolve_ref(name)
-    return ActionDef(name, fn, calls_model=bool(getattr(fn, "calls_model", False)))
+    return ActionDef(name, _threaded(fn), calls_model=bool(getattr(fn, "calls_model", False)))
 
 
 def resolve_guard(name: str) -> Callable[[RunContext], bool]:

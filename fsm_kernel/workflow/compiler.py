@@ -17,7 +17,7 @@ from statemachine.exceptions import StateMachineError, TransitionNotAllowed
 from statemachine.io import create_machine_class_from_definition
 
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
-from fsm_kernel.workflow.actions import ActionDef, resolve_action, resolve_guard
+from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.spec import TransitionSpec, WorkflowSpec
 from fsm_kernel.workflow.validate import EVENT_NAME
@@ -68,6 +68,13 @@ class Machine:
     def is_final(self) -> bool:
         return bool(self._sm.is_terminated)
 
+    async def advance(self) -> FiredTransition:
+        """`step()`, in a thread when a user's guard may run (so it cannot block the loop)."""
+        if self.compiled.user_guards:
+            fired: FiredTransition = await in_thread(self.step)
+            return fired
+        return self.step()
+
     def step(self) -> FiredTransition:
         """Fire the first transition out of the current state whose guards pass."""
         source = self.state
@@ -93,11 +100,15 @@ class CompiledWorkflow:
             sid: resolve_action(s.action) for sid, s in spec.states.items() if s.action
         }
         self.machine_class = _build_class(spec)
+        self.user_guards = any(
+            ":" in name for t in spec.transitions for name in (*t.guard, *t.unless)
+        )
 
     def with_spec(self, spec: WorkflowSpec) -> CompiledWorkflow:
         """This compiled machine under a spec that differs only in its limits."""
         twin = object.__new__(CompiledWorkflow)
         twin.spec, twin.actions, twin.machine_class = spec, self.actions, self.machine_class
+        twin.user_guards = self.user_guards
         return twin
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:

@@ -95,6 +95,13 @@ class Limits(_Model):
     max_malformed_outputs: int = Field(
         default=3, ge=1, description="Malformed model replies in a row"
     )
+    max_tool_calls_per_reply: int = Field(
+        default=16,
+        ge=1,
+        le=1000,
+        description="Tool calls executed from one model reply; the rest are answered with an "
+        "error result",
+    )
 
 
 class StateSpec(_Model):
