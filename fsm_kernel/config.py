@@ -4,6 +4,7 @@ command-line flags. Pure: reads the environment only when asked, no I/O at impor
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -14,8 +15,10 @@ from fsm_kernel.errors import ConfigError
 
 __all__ = [
     "DEFAULT_BASE_URL",
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_MODEL",
     "DEFAULT_STORE",
+    "MAX_RETRIES_LIMIT",
     "AgentSettings",
     "agent_settings_from_env",
     "default_store_location",
@@ -25,25 +28,72 @@ __all__ = [
 DEFAULT_BASE_URL = "http://localhost:11434/v1"
 DEFAULT_MODEL = "qwen3"
 DEFAULT_STORE = ".fsm-kernel/runs.db"
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+MAX_RETRIES_LIMIT = 100
+"""More retries than this is a typo, not a policy (with backoff capped at 8 s it is ~13 min)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
-    """How to reach the model server."""
+    """How to reach the model server.
+
+    Every instance is validated when it is built (`__post_init__`), and `merged` builds a new
+    one, so the workflow `agent:` block, the environment and the flags all go through the same
+    checks: a bad value is a ConfigError before any request is made.
+    """
 
     base_url: str = DEFAULT_BASE_URL
     model: str = DEFAULT_MODEL
     api_key: str | None = None
     """Sent as a Bearer token; never logged, printed or stored (see `public_dict`)."""
     request_timeout: float = 120.0
-    """Seconds to wait for one HTTP answer."""
+    """Deadline in seconds for one HTTP attempt, sending and reading the whole answer;
+    0 means no limit."""
     connect_timeout: float = 10.0
     max_retries: int = 3
     """Retries after the first attempt, on connection errors, timeouts, 408/409/429 and 5xx."""
     temperature: float | None = None
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    """The most bytes one answer may have; a bigger one is refused, not read whole."""
+
+    def __post_init__(self) -> None:
+        _check_number(
+            self.request_timeout,
+            "request_timeout",
+            minimum=0.0,
+            what="request timeout must be a finite number of seconds >= 0, 0 for no limit",
+        )
+        _check_number(
+            self.connect_timeout,
+            "connect_timeout",
+            minimum=0.0,
+            inclusive=False,
+            what="connect timeout must be a finite number of seconds > 0",
+        )
+        if self.temperature is not None:
+            _check_number(
+                self.temperature, "temperature", what="temperature must be a finite number"
+            )
+        _check_int(
+            self.max_retries,
+            "max_retries",
+            minimum=0,
+            maximum=MAX_RETRIES_LIMIT,
+            what=f"max retries must be a whole number from 0 to {MAX_RETRIES_LIMIT}",
+        )
+        _check_int(
+            self.max_response_bytes,
+            "max_response_bytes",
+            minimum=1,
+            what="max response bytes must be a whole number of bytes > 0",
+        )
 
     def merged(self, overrides: Mapping[str, Any]) -> AgentSettings:
-        """A copy with every non-None value of `overrides` applied."""
+        """A copy with every non-None value of `overrides` applied.
+
+        Raises:
+            ConfigError: an unknown setting, or a value the checks of `__post_init__` refuse.
+        """
         known = {f.name for f in fields(self)}
         unknown = set(overrides) - known
         if unknown:
@@ -62,6 +112,48 @@ class AgentSettings:
         return f"AgentSettings({inner})"
 
 
+_WHERE_SET: Mapping[str, str] = {
+    "request_timeout": (
+        "--request-timeout, FSM_KERNEL_REQUEST_TIMEOUT or agent.request_timeout in the workflow"
+    ),
+    "connect_timeout": "AgentSettings.connect_timeout",
+    "temperature": "agent.temperature in the workflow",
+    "max_retries": "--max-retries, FSM_KERNEL_MAX_RETRIES or agent.max_retries in the workflow",
+    "max_response_bytes": "FSM_KERNEL_MAX_RESPONSE_BYTES",
+}
+"""Where each checked setting comes from, so the error says what to fix."""
+
+
+def _invalid(name: str, what: str, value: Any) -> ConfigError:
+    return ConfigError(f"{what} (got {value!r}) — check {_WHERE_SET[name]}")
+
+
+def _check_number(
+    value: Any,
+    name: str,
+    *,
+    what: str,
+    minimum: float | None = None,
+    inclusive: bool = True,
+) -> None:
+    """A real, finite number above `minimum`: NaN slips through every `<` comparison and an
+    infinite timeout would silently mean "wait forever", so both are refused here."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _invalid(name, what, value)
+    if minimum is not None and (value < minimum or (not inclusive and value == minimum)):
+        raise _invalid(name, what, value)
+
+
+def _check_int(
+    value: Any, name: str, *, what: str, minimum: int, maximum: int | None = None
+) -> None:
+    """A whole number (not a bool, not a float) within bounds."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(name, what, value)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise _invalid(name, what, value)
+
+
 def _env(environ: Mapping[str, str], name: str) -> str | None:
     value = environ.get(name)
     return value if value else None
@@ -72,9 +164,25 @@ def _env_number(environ: Mapping[str, str], name: str, kind: type[float] | type[
     if raw is None:
         return None
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):  # float() reads "nan" and "inf"; neither is a usable setting
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
+    return value
+
+
+def _env_positive_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = _env(environ, name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} is not a positive whole number")
+    return value
 
 
 def agent_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -86,6 +194,7 @@ def agent_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[st
         "api_key": _env(environ, "FSM_KERNEL_API_KEY") or _env(environ, "OPENAI_API_KEY"),
         "request_timeout": _env_number(environ, "FSM_KERNEL_REQUEST_TIMEOUT", float),
         "max_retries": _env_number(environ, "FSM_KERNEL_MAX_RETRIES", int),
+        "max_response_bytes": _env_positive_int(environ, "FSM_KERNEL_MAX_RESPONSE_BYTES"),
     }
     return {k: v for k, v in found.items() if v is not None}
 

@@ -1,7 +1,9 @@
 """HttpChatModel: the httpx client for OpenAI-compatible `/chat/completions` servers. Owns
-timeouts, retries with backoff, and the translation of every httpx failure and error status into
-fsm_kernel.errors types; nothing from httpx escapes this module. Imports protocol, config,
-errors and agent.wire only.
+timeouts (a deadline per attempt), the response size cap, retries with backoff, and the
+translation of every httpx failure and error status into fsm_kernel.errors types; nothing from
+httpx escapes this module. Every error and log line built from server text is redacted here, at
+the source, so an API key a server echoes back never reaches an exception. Imports protocol,
+config, errors, redact and agent.wire only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import logging
 import random as _random
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -36,6 +39,7 @@ from fsm_kernel.errors import (
     ConfigError,
 )
 from fsm_kernel.protocol import Completion, Message, Tool
+from fsm_kernel.redact import redact, register_secret
 
 __all__ = ["HttpChatModel"]
 
@@ -60,6 +64,26 @@ _NO_TOOLS_MARKERS = (
 )
 
 Sleep = Callable[[float], Awaitable[None]]
+_E = TypeVar("_E", bound=AgentError)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One HTTP answer, read whole (within the size cap) before the connection is let go: what
+    the status mapping and the parser look at, so no httpx.Response outlives `_exchange`."""
+
+    status_code: int
+    reason_phrase: str
+    headers: Mapping[str, str]
+    content: bytes
+    encoding: str
+
+    @property
+    def text(self) -> str:
+        try:
+            return self.content.decode(self.encoding, errors="replace")
+        except LookupError:  # a charset Python does not know
+            return self.content.decode("utf-8", errors="replace")
 
 
 class HttpChatModel:
@@ -88,12 +112,18 @@ class HttpChatModel:
         Raises:
             ConfigError: the base URL is not an http(s) URL.
         """
+        # First of all: from here on, the key is redacted wherever it shows up, even echoed
+        # back in a server's error body (some proxies do that on 401 and in 5xx pages).
+        register_secret(settings.api_key)
         self._settings = settings
         self._base_url = settings.base_url.rstrip("/")
-        self._url = _endpoint(self._base_url)
+        self._url, auth = _endpoint(self._base_url)
+        # A base URL may carry `user:password@`: messages and logs show it redacted.
+        self._shown_url = redact(self._base_url)
         self._sleep = sleep
         self._random = random
         self._client = httpx.AsyncClient(
+            auth=auth,
             headers=_headers(settings.api_key),
             timeout=_timeout(settings),
             transport=transport,
@@ -165,91 +195,153 @@ class HttpChatModel:
         backoff = min(INITIAL_RETRY_DELAY * 2**attempt, MAX_RETRY_DELAY)
         return backoff * (1 - 0.25 * self._random())
 
+    def _error(self, kind: type[_E], message: str, **extra: Any) -> _E:
+        """Every AgentError this client raises is built here, so that neither its message nor
+        its body (hence its str, repr, to_dict and every log line made from it) can carry a
+        secret: the registered key, or a credential in the base URL or a server's text."""
+        if isinstance(extra.get("body"), str):
+            extra["body"] = redact(extra["body"])
+        return kind(redact(message), base_url=self._shown_url, **extra)
+
     async def _attempt(self, payload: dict[str, Any], attempt: int) -> Completion:
         logger.debug(
             "POST %s model=%s messages=%d tools=%d attempt=%d",
-            self._url,
+            redact(self._url),
             payload["model"],
             len(payload["messages"]),
             len(payload.get("tools", ())),
             attempt + 1,
         )
-        response = await self._post(payload)
-        logger.debug("%s answered %d", self._url, response.status_code)
-        if not 200 <= response.status_code < 300:
-            raise self._status_error(response)
-        return self._parse(response)
+        answer = await self._exchange(payload)
+        logger.debug("%s answered %d", self._shown_url, answer.status_code)
+        if not 200 <= answer.status_code < 300:
+            raise self._status_error(answer)
+        return self._parse(answer)
 
-    async def _post(self, payload: dict[str, Any]) -> httpx.Response:
+    async def _exchange(self, payload: dict[str, Any]) -> _Answer:
+        """Send the request and read the whole answer within one deadline of `request_timeout`
+        seconds (<= 0: none). httpx's read timeout alone is per read, so a server trickling a
+        byte a second would keep a "2 s" request alive forever."""
+        limit = self._settings.request_timeout
+        deadline = asyncio.timeout(limit if limit > 0 else None)
         try:
-            return await self._client.post(self._url, json=payload)
+            async with deadline:
+                return await self._post(payload)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise self._error(AgentTimeoutError, self._timed_out_message()) from None
+
+    async def _post(self, payload: dict[str, Any]) -> _Answer:
+        try:
+            async with self._client.stream("POST", self._url, json=payload) as response:
+                content = await self._read_capped(response)
+                return _Answer(
+                    status_code=response.status_code,
+                    reason_phrase=response.reason_phrase,
+                    headers=response.headers,
+                    content=content,
+                    encoding=response.charset_encoding or "utf-8",
+                )
         except httpx.TimeoutException as exc:
             raise self._timeout_error(exc) from exc
         except httpx.TransportError as exc:
             reason = _transport_reason(exc)
-            raise AgentConnectionError(
-                f"cannot reach model server at {self._base_url}: {reason} — {_CONNECT_HINT}",
-                base_url=self._base_url,
+            raise self._error(
+                AgentConnectionError,
+                f"cannot reach model server at {self._shown_url}: {reason} — {_CONNECT_HINT}",
             ) from exc
         except httpx.HTTPError as exc:  # TooManyRedirects, DecodingError, ...
-            raise AgentResponseError(
-                f"model server at {self._base_url} sent an unusable response: {exc}",
-                base_url=self._base_url,
+            raise self._error(
+                AgentResponseError,
+                f"model server at {self._shown_url} sent an unusable response: {exc}",
             ) from exc
+
+    async def _read_capped(self, response: httpx.Response) -> bytes:
+        """The body, refused as soon as it is known to exceed `max_response_bytes`: from its
+        Content-Length before reading anything, else while it streams in. A runaway or hostile
+        server cannot make the client buffer an unbounded answer."""
+        cap = self._settings.max_response_bytes
+        declared = _content_length(response.headers)
+        if declared is not None and declared > cap:
+            raise self._too_big(f" (Content-Length {declared})")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > cap:
+                raise self._too_big("")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_big(self, detail: str) -> AgentResponseError:
+        cap = self._settings.max_response_bytes
+        return self._error(
+            AgentResponseError,
+            f"model server at {self._shown_url} sent more than {cap} bytes{detail}; raise "
+            "FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers",
+        )
+
+    def _timed_out_message(self) -> str:
+        return (
+            f"model server at {self._shown_url} timed out after "
+            f"{self._settings.request_timeout:g}s (set FSM_KERNEL_REQUEST_TIMEOUT to wait "
+            "longer)"
+        )
 
     def _timeout_error(self, exc: httpx.TimeoutException) -> AgentTimeoutError:
         if isinstance(exc, httpx.ConnectTimeout):
             seconds = self._settings.connect_timeout
             message = (
-                f"cannot reach model server at {self._base_url}: no connection within "
+                f"cannot reach model server at {self._shown_url}: no connection within "
                 f"{seconds:g}s — {_CONNECT_HINT}"
             )
         else:
-            message = (
-                f"model server at {self._base_url} timed out after "
-                f"{self._settings.request_timeout:g}s (set FSM_KERNEL_REQUEST_TIMEOUT to wait "
-                "longer)"
-            )
-        return AgentTimeoutError(message, base_url=self._base_url)
+            message = self._timed_out_message()
+        return self._error(AgentTimeoutError, message)
 
-    def _parse(self, response: httpx.Response) -> Completion:
+    def _parse(self, answer: _Answer) -> Completion:
+        # Both failures below drop their cause (`from None`): the JSON decoder keeps the whole
+        # body in `.doc`, and the wire error's message may quote the server verbatim; either
+        # could carry an echoed key past the redaction.
         try:
-            body = json.loads(response.content)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AgentResponseError(
-                f"model server at {self._base_url} sent a response that is not JSON: "
-                f"{_shorten(response.text, 120)!r}",
-                base_url=self._base_url,
-            ) from exc
+            body = json.loads(answer.content)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise self._error(
+                AgentResponseError,
+                f"model server at {self._shown_url} sent a response that is not JSON: "
+                f"{_shorten(redact(answer.text), 120)!r}",
+            ) from None
         try:
             return completion_from_wire(body)
         except AgentResponseError as exc:
-            raise AgentResponseError(
-                f"model server at {self._base_url} sent an unusable response: {exc.message}",
-                base_url=self._base_url,
-            ) from exc
+            raise self._error(
+                AgentResponseError,
+                f"model server at {self._shown_url} sent an unusable response: {exc.message}",
+            ) from None
 
-    def _status_error(self, response: httpx.Response) -> AgentError:
-        status = response.status_code
-        detail = _ErrorDetail.from_response(response)
+    def _status_error(self, answer: _Answer) -> AgentError:
+        status = answer.status_code
+        detail = _ErrorDetail.from_answer(answer)
         if not 400 <= status < 600:
-            return AgentResponseError(
-                f"model server at {self._base_url} answered {status}: {detail.message}",
-                base_url=self._base_url,
+            return self._error(
+                AgentResponseError,
+                f"model server at {self._shown_url} answered {status}: {detail.message}",
             )
         kind, message = self._describe_status(status, detail)
-        return kind(
+        return self._error(
+            kind,
             message,
-            base_url=self._base_url,
             status_code=status,
-            body=_shorten(response.text, _BODY_LIMIT),
-            retry_after=_retry_after(response.headers, datetime.now(UTC)),
+            # Redacted before it is cut, so a cut cannot leave half a key behind.
+            body=_shorten(redact(answer.text), _BODY_LIMIT),
+            retry_after=_retry_after(answer.headers, datetime.now(UTC)),
         )
 
     def _describe_status(
         self, status: int, detail: _ErrorDetail
     ) -> tuple[type[AgentHTTPError], str]:
-        where = f"model server at {self._base_url}"
+        where = f"model server at {self._shown_url}"
         if status in (401, 403):
             hint = "check" if self._settings.api_key else "no key was sent; set"
             return AgentAuthError, (
@@ -288,14 +380,16 @@ class _ErrorDetail:
         self.code = code
 
     @classmethod
-    def from_response(cls, response: httpx.Response) -> _ErrorDetail:
+    def from_answer(cls, answer: _Answer) -> _ErrorDetail:
+        """The message is redacted before it is shortened: a key cut in half by `_shorten`
+        would no longer match the registered value."""
         try:
-            body: Any = json.loads(response.content)
+            body: Any = json.loads(answer.content)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            body = response.text
+            body = answer.text
         message, code = _message_and_code(body)
         return cls(
-            _shorten(message, _MESSAGE_LIMIT) or response.reason_phrase or "no message", code
+            _shorten(redact(message), _MESSAGE_LIMIT) or answer.reason_phrase or "no message", code
         )
 
     def is_model_not_found(self, status: int) -> bool:
@@ -328,17 +422,29 @@ def _message_and_code(body: Any) -> tuple[str, str]:
     )
 
 
-def _endpoint(base_url: str) -> str:
+def _endpoint(base_url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """The chat-completions URL, and the Basic auth of a `user:password@` in `base_url`.
+
+    The credentials are taken out of the URL (and the password registered as a secret) so that
+    no request URL carries them: httpx logs every request URL as it is.
+    """
     try:
         url = httpx.URL(base_url)
     except httpx.InvalidURL as exc:
-        raise ConfigError(f"invalid model server URL {base_url!r}: {exc}") from exc
+        raise ConfigError(redact(f"invalid model server URL {base_url!r}: {exc}")) from exc
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigError(
-            f"invalid model server URL {base_url!r}: it must start with http:// or https:// "
-            "(e.g. http://localhost:11434/v1)"
+            redact(
+                f"invalid model server URL {base_url!r}: it must start with http:// or https:// "
+                "(e.g. http://localhost:11434/v1)"
+            )
         )
-    return f"{base_url}/chat/completions"
+    endpoint = f"{base_url}/chat/completions"
+    if not url.userinfo:
+        return endpoint, None
+    register_secret(url.password)
+    bare = httpx.URL(endpoint).copy_with(userinfo=b"")
+    return str(bare), httpx.BasicAuth(url.username, url.password)
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -356,6 +462,7 @@ def _ssl_context() -> ssl.SSLContext:
 
 def _timeout(settings: AgentSettings) -> httpx.Timeout:
     # request_timeout <= 0 means "no limit": local servers can spend minutes loading a model.
+    # This per-read timeout is a backstop; the deadline of the whole attempt is `_exchange`'s.
     read = settings.request_timeout if settings.request_timeout > 0 else None
     return httpx.Timeout(read, connect=settings.connect_timeout)
 
@@ -375,7 +482,18 @@ def _transport_reason(exc: httpx.TransportError) -> str:
         return "unknown host"
     if isinstance(exc, httpx.RemoteProtocolError):
         return "the server closed the connection without answering"
-    return _shorten(str(exc), 120) or type(exc).__name__
+    return _shorten(redact(str(exc)), 120) or type(exc).__name__
+
+
+def _content_length(headers: Mapping[str, str]) -> int | None:
+    """The declared body size, or None when absent or unreadable (chunked answers have none)."""
+    raw = headers.get("content-length")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _retry_after(headers: Mapping[str, str], now: datetime) -> float | None:

@@ -23,11 +23,18 @@ Each POST to `/v1/chat/completions` takes the next reply from the queue. Replies
 * `tool_reply(*calls, content=None)`, with `call(name, arguments, id=None)` per call; several
   calls are parallel tool calls in one response. `arguments` is a dict (sent as a JSON string)
   or a string sent verbatim (for invalid-JSON tests).
-* `http_error(status, body=None, headers=None)`: an error status; the default body is
-  OpenAI-shaped, a dict is sent as JSON, a string as text.
-* `raw_body(text, status=200)`: any text, e.g. invalid JSON.
+* `http_error(status, body=None, headers=None, *, echo_auth=False)`: an error status; the
+  default body is OpenAI-shaped, a dict is sent as JSON, a string as text. With
+  `echo_auth=True` the answer echoes the request's credentials, as some proxies do on 401 and
+  in 5xx pages: `$AUTHORIZATION` (the whole `Authorization` header value) and `$API_KEY` (the
+  value without its `Bearer ` prefix) are replaced in the body (in every string of a JSON
+  body); the default body carries both.
+* `raw_body(text, status=200, *, echo_auth=False)`: any text, e.g. invalid JSON.
 * `hang(seconds, then=None)`: wait before answering `then` (default: a 504). The wait ends at
   once when the server stops, so timeout tests shut down fast.
+* `trickle(then, interval=0.1)`: send the headers of `then` at once, then its body one byte
+  every `interval` seconds (a server that is slow but never silent; ends when the server stops).
+* `chunked(then)`: send `then` with `Transfer-Encoding: chunked` and no Content-Length.
 * `disconnect()`: close the connection without answering.
 * a plain dict: a full response body sent as-is with status 200 (for quirk tests).
 * a callable `fn(request_body) -> reply`: decides from the request.
@@ -52,9 +59,10 @@ Script mode, for running the `fsm-kernel` CLI in a subprocess::
 
 `replies.json` is a list of reply specs: `{"text": "...", "reasoning": "..."}`,
 `{"tool_calls": [{"name": "...", "arguments": {...}, "id": "..."}], "content": "..."}`,
-`{"status": 500, "body": ..., "headers": {...}}`, `{"raw": "...", "status": 200}`,
-`{"hang": 5, "then": {...}}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare
-string (a text reply). The server prints `READY http://127.0.0.1:PORT/v1` on one line (flushed)
+`{"status": 500, "body": ..., "headers": {...}, "echo_auth": true}`, `{"raw": "...", "status":
+200}`, `{"hang": 5, "then": {...}}`, `{"trickle": 0.1, "then": {...}}`, `{"chunked": true,
+"then": {...}}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare string (a
+text reply). The server prints `READY http://127.0.0.1:PORT/v1` on one line (flushed)
 and serves until killed; `--requests-log FILE` appends each request body as a JSON line, flushed
 at once so it survives a SIGKILL of the client. Run it from the repository root (or run the file
 directly: `python tests/fakes/openai_server.py ...`).
@@ -82,11 +90,14 @@ from types import FrameType, TracebackType
 from typing import Any
 
 __all__ = [
+    "API_KEY",
+    "AUTHORIZATION",
     "ENDPOINT",
     "FakeOpenAIServer",
     "Reply",
     "ReplyLike",
     "call",
+    "chunked",
     "disconnect",
     "hang",
     "http_error",
@@ -95,12 +106,18 @@ __all__ = [
     "reply_from_spec",
     "text_reply",
     "tool_reply",
+    "trickle",
 ]
 
 logger = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/chat/completions"
 DEFAULT_USAGE: Mapping[str, int] = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+AUTHORIZATION = "$AUTHORIZATION"
+"""In an `echo_auth` reply: replaced by the request's whole Authorization header value."""
+API_KEY = "$API_KEY"
+"""In an `echo_auth` reply: replaced by the Authorization value without its `Bearer ` prefix."""
+_CHUNK_SIZE = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,12 @@ class Reply:
     """Close the connection without sending anything."""
     completion: bool = False
     """A generated chat completion: fill in `id`, `created` and the request's `model`."""
+    echo_auth: bool = False
+    """Replace `AUTHORIZATION` and `API_KEY` in the body by the request's credentials."""
+    byte_interval: float = 0.0
+    """Seconds between bytes of the body (0: send it at once); the headers go first."""
+    chunked: bool = False
+    """Send the body with `Transfer-Encoding: chunked` instead of a Content-Length."""
 
 
 ReplyLike = Reply | Mapping[str, Any] | Callable[[dict[str, Any]], Any]
@@ -172,30 +195,53 @@ def _completion(
     return Reply(body=body, completion=True)
 
 
-def http_error(status: int, body: Any = None, headers: Mapping[str, str] | None = None) -> Reply:
+def http_error(
+    status: int,
+    body: Any = None,
+    headers: Mapping[str, str] | None = None,
+    *,
+    echo_auth: bool = False,
+) -> Reply:
     """An error status. `body`: None for an OpenAI-shaped error, a dict/list for JSON, a str for
-    text."""
+    text. `echo_auth`: fill `AUTHORIZATION` / `API_KEY` in the body with the request's
+    credentials (the default body then echoes both, like a proxy dumping the request)."""
     if body is None:
         kind = "server_error" if status >= 500 else "invalid_request_error"
         body = _error_body(f"fake server error {status}", kind)
+        if echo_auth:
+            body["error"]["message"] += f": bad key {API_KEY}"
+            body["request"] = {"headers": {"authorization": AUTHORIZATION}}
     if isinstance(body, str):
-        return Reply(status=status, text=body, headers=dict(headers or {}))
-    return Reply(status=status, body=body, headers=dict(headers or {}))
+        return Reply(status=status, text=body, headers=dict(headers or {}), echo_auth=echo_auth)
+    return Reply(status=status, body=body, headers=dict(headers or {}), echo_auth=echo_auth)
 
 
 def _error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-def raw_body(text: str, status: int = 200) -> Reply:
-    """Any text as the body (e.g. invalid JSON), with a JSON content type."""
-    return Reply(status=status, text=text)
+def raw_body(text: str, status: int = 200, *, echo_auth: bool = False) -> Reply:
+    """Any text as the body (e.g. invalid JSON), with a JSON content type. `echo_auth`: as for
+    `http_error`."""
+    return Reply(status=status, text=text, echo_auth=echo_auth)
 
 
 def hang(seconds: float, then: ReplyLike | None = None) -> Reply:
     """Wait `seconds` before answering `then` (default: a 504). Cut short by server shutdown."""
     after = _to_reply(then, {}) if then is not None else http_error(504)
     return replace(after, delay=seconds)
+
+
+def trickle(then: ReplyLike, interval: float = 0.1) -> Reply:
+    """Answer `then`, its body one byte every `interval` seconds after the headers: each read
+    gets data in time, so only a deadline on the whole request ends it."""
+    return replace(_to_reply(then, {}), byte_interval=interval)
+
+
+def chunked(then: ReplyLike) -> Reply:
+    """Answer `then` with `Transfer-Encoding: chunked` and no Content-Length, so the client
+    learns the size only by reading."""
+    return replace(_to_reply(then, {}), chunked=True)
 
 
 def disconnect() -> Reply:
@@ -209,9 +255,9 @@ def reply_from_spec(spec: Any) -> Reply:
         return text_reply(spec)
     if not isinstance(spec, dict):
         raise ValueError(f"a reply spec must be an object or a string, not {spec!r}")
-    if "hang" in spec:
-        then = reply_from_spec(spec["then"]) if "then" in spec else None
-        return hang(float(spec["hang"]), then)
+    wrapped = _wrapper_from_spec(spec)
+    if wrapped is not None:
+        return wrapped
     if "text" in spec:
         return text_reply(spec["text"], reasoning=spec.get("reasoning"))
     if "tool_calls" in spec:
@@ -220,12 +266,29 @@ def reply_from_spec(spec: Any) -> Reply:
     if "raw" in spec:
         return raw_body(spec["raw"], int(spec.get("status", 200)))
     if "status" in spec:
-        return http_error(int(spec["status"]), spec.get("body"), spec.get("headers"))
+        return http_error(
+            int(spec["status"]),
+            spec.get("body"),
+            spec.get("headers"),
+            echo_auth=bool(spec.get("echo_auth")),
+        )
     if spec.get("disconnect"):
         return disconnect()
     if "body" in spec:
         return Reply(body=spec["body"])
     raise ValueError(f"unknown reply spec {spec!r}")
+
+
+def _wrapper_from_spec(spec: dict[str, Any]) -> Reply | None:
+    """The specs that change how another reply (`then`) is delivered; None for the others."""
+    if "hang" in spec:
+        then = reply_from_spec(spec["then"]) if "then" in spec else None
+        return hang(float(spec["hang"]), then)
+    if "trickle" in spec:
+        return trickle(reply_from_spec(spec["then"]), float(spec["trickle"]))
+    if spec.get("chunked"):
+        return chunked(reply_from_spec(spec["then"]))
+    return None
 
 
 def _to_reply(reply: Any, request: dict[str, Any]) -> Reply:
@@ -236,6 +299,23 @@ def _to_reply(reply: Any, request: dict[str, Any]) -> Reply:
     if callable(reply):
         return _to_reply(reply(request), request)
     raise TypeError(f"not a reply: {reply!r}")
+
+
+def _with_credentials(reply: Reply, headers: Mapping[str, str]) -> Reply:
+    """`reply` with the request's credentials put in place of `AUTHORIZATION` and `API_KEY`."""
+    authorization = headers.get("authorization", "")
+    key = authorization.removeprefix("Bearer ").strip()
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(AUTHORIZATION, authorization).replace(API_KEY, key)
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    return replace(reply, body=fill(reply.body), text=fill(reply.text))
 
 
 class FakeOpenAIServer:
@@ -485,6 +565,8 @@ class _Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError):
             request = None
         reply = self.fake._answer(self.path, request, headers)
+        if reply.echo_auth:
+            reply = _with_credentials(reply, headers)
         self.close_connection = not self.fake._keep_alive
         if self.fake._wait(reply.delay) or reply.disconnect:
             self.close_connection = True
@@ -507,15 +589,32 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.send_response(reply.status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
+            if reply.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(payload)))
             if self.close_connection:
                 self.send_header("Connection", "close")
             for name, value in reply.headers.items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):
+            self._write_body(payload, reply)
+        except ConnectionError:  # broken pipe, reset: a client that stopped reading
+            self.close_connection = True
             logger.debug("fake server: the client left before the answer")
+
+    def _write_body(self, payload: bytes, reply: Reply) -> None:
+        """The body in pieces: one byte at a time when trickling, else 64 KiB (so a client
+        that stops reading a big answer early is seen to stop), framed when chunked."""
+        step = 1 if reply.byte_interval > 0 else _CHUNK_SIZE
+        for start in range(0, len(payload), step):
+            piece = payload[start : start + step]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if reply.chunked else piece)
+            if reply.byte_interval > 0 and self.fake._wait(reply.byte_interval):
+                self.close_connection = True  # the server is stopping: leave the body unfinished
+                return
+        if reply.chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("fake server: %s", format % args)

@@ -11,6 +11,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -37,12 +38,15 @@ from fsm_kernel.protocol import Completion, Message, Tool, ToolCall, ToolResult,
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
     call,
+    chunked,
     disconnect,
     hang,
     http_error,
     raw_body,
+    reply_from_spec,
     text_reply,
     tool_reply,
+    trickle,
 )
 
 T = TypeVar("T")
@@ -425,6 +429,79 @@ def test_disconnect_without_retries_is_a_connection_error(server: FakeOpenAIServ
     assert "closed the connection without answering" in str(err)
 
 
+# --- the deadline of one attempt -------------------------------------------------------------
+
+
+def test_a_trickling_answer_hits_the_deadline(server: FakeOpenAIServer) -> None:
+    # Every read gets a byte within httpx's per-read timeout; only a deadline ends this.
+    server.enqueue(trickle(raw_body("x" * 100), interval=0.1))
+    started = time.monotonic()
+    err = expect(AgentTimeoutError, server.base_url, request_timeout=1, max_retries=0)
+    elapsed = time.monotonic() - started
+    assert str(err) == (
+        f"model server at {server.base_url} timed out after 1s "
+        "(set FSM_KERNEL_REQUEST_TIMEOUT to wait longer)"
+    )
+    assert elapsed < 5.0  # the whole body would take 10 s
+    assert err.retryable
+
+
+def test_a_slow_answer_within_the_deadline_is_read_whole(server: FakeOpenAIServer) -> None:
+    server.enqueue(trickle(text_reply("slow but sure"), interval=0.001))
+    assert run(ask(server.base_url, request_timeout=30)).message.content == "slow but sure"
+
+
+def test_request_timeout_zero_means_no_deadline(server: FakeOpenAIServer) -> None:
+    server.enqueue(trickle(text_reply("no hurry"), interval=0.001))
+    assert run(ask(server.base_url, request_timeout=0)).message.content == "no hurry"
+
+
+# --- the response size cap -------------------------------------------------------------------
+
+SMALL_ANSWER = {"choices": [{"message": {"content": "ok"}}]}
+SMALL_SIZE = len(json.dumps(SMALL_ANSWER).encode())
+
+
+def test_a_declared_length_over_the_cap_is_refused_before_reading(
+    server: FakeOpenAIServer, sleep: RecordingSleep
+) -> None:
+    server.enqueue(raw_body("x" * 100_000))
+    err = expect(
+        AgentResponseError, server.base_url, sleep=sleep, max_retries=3, max_response_bytes=1000
+    )
+    assert str(err) == (
+        f"model server at {server.base_url} sent more than 1000 bytes (Content-Length 100000); "
+        "raise FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
+    )
+    assert len(server.requests) == 1  # not retried
+    assert sleep.delays == []
+
+
+def test_a_chunked_answer_over_the_cap_is_cut_while_streaming(server: FakeOpenAIServer) -> None:
+    server.enqueue(chunked(raw_body("x" * 1_000_000)))
+    err = expect(AgentResponseError, server.base_url, max_retries=3, max_response_bytes=1000)
+    assert str(err) == (
+        f"model server at {server.base_url} sent more than 1000 bytes; "
+        "raise FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
+    )
+    assert len(server.requests) == 1
+
+
+def test_an_error_body_over_the_cap_is_refused_too(server: FakeOpenAIServer) -> None:
+    server.enqueue(http_error(500, "y" * 100_000))
+    err = expect(AgentResponseError, server.base_url, max_retries=3, max_response_bytes=1000)
+    assert "sent more than 1000 bytes" in str(err)
+    assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_answer_exactly_at_the_cap_is_accepted(server: FakeOpenAIServer, framing: str) -> None:
+    reply = chunked(SMALL_ANSWER) if framing == "chunked" else SMALL_ANSWER
+    server.enqueue(reply, reply)
+    assert run(ask(server.base_url, max_response_bytes=SMALL_SIZE)).message.content == "ok"
+    expect(AgentResponseError, server.base_url, max_response_bytes=SMALL_SIZE - 1)
+
+
 # --- bodies and statuses that fail at once ---------------------------------------------------
 
 
@@ -724,6 +801,27 @@ def test_fake_server_script_mode_in_a_subprocess(tmp_path: Path) -> None:
         "tool_call_id": "c1",
         "name": "read_file",
     }
+
+
+def test_fake_server_reply_specs_for_delivery_and_echo() -> None:
+    trickled = reply_from_spec({"trickle": 0.25, "then": {"raw": "abc"}})
+    assert (trickled.text, trickled.byte_interval) == ("abc", 0.25)
+    framed = reply_from_spec({"chunked": True, "then": "hi"})
+    assert framed.chunked
+    assert framed.completion
+    echoing = reply_from_spec({"status": 401, "echo_auth": True})
+    assert (echoing.status, echoing.echo_auth) == (401, True)
+    assert not reply_from_spec({"status": 401}).echo_auth
+
+
+def test_fake_server_echoes_the_authorization_header(server: FakeOpenAIServer) -> None:
+    server.enqueue(http_error(401, echo_auth=True))
+    with pytest.raises(AgentAuthError) as info:
+        run(ask(server.base_url, api_key="fake-echo-key"))
+    body = json.loads(info.value.body)
+    # The client hides the key; the fake did put it there.
+    assert body["request"]["headers"]["authorization"] == "Bearer [REDACTED]"
+    assert body["error"]["message"] == "fake server error 401: bad key [REDACTED]"
 
 
 def test_fake_server_script_mode_rejects_a_bad_script(tmp_path: Path) -> None:

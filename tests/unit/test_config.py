@@ -3,14 +3,17 @@ defaults < workflow < environment < flags."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import FrozenInstanceError
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsm_kernel.bootstrap import RunOptions, agent_settings, apply_limits
 from fsm_kernel.config import (
     DEFAULT_BASE_URL,
+    DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_MODEL,
     DEFAULT_STORE,
     AgentSettings,
@@ -43,7 +46,9 @@ def test_defaults() -> None:
     assert s.api_key is None
     assert s.max_retries == 3
     assert s.request_timeout == 120.0
+    assert s.connect_timeout == 10.0
     assert s.temperature is None
+    assert s.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 8 * 1024 * 1024
 
 
 def test_settings_are_frozen() -> None:
@@ -85,6 +90,7 @@ def test_environment_overrides() -> None:
         "OPENAI_API_KEY": "k2",
         "FSM_KERNEL_REQUEST_TIMEOUT": "7.5",
         "FSM_KERNEL_MAX_RETRIES": "0",
+        "FSM_KERNEL_MAX_RESPONSE_BYTES": "4096",
         "UNRELATED": "x",
     }
 
@@ -94,6 +100,7 @@ def test_environment_overrides() -> None:
         "api_key": "k1",
         "request_timeout": 7.5,
         "max_retries": 0,
+        "max_response_bytes": 4096,
     }
 
 
@@ -113,6 +120,124 @@ def test_empty_and_unset_variables_are_ignored() -> None:
 def test_bad_numbers_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}' is not a number"):
         agent_settings_from_env({name: value})
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "Infinity"])
+def test_environment_numbers_must_be_finite(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        agent_settings_from_env({"FSM_KERNEL_REQUEST_TIMEOUT": value})
+
+    assert str(info.value) == f"FSM_KERNEL_REQUEST_TIMEOUT={value!r} is not a finite number"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "lots", "1.5", "8MB"])
+def test_max_response_bytes_from_the_environment_must_be_positive(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        agent_settings_from_env({"FSM_KERNEL_MAX_RESPONSE_BYTES": value})
+
+    assert str(info.value) == (
+        f"FSM_KERNEL_MAX_RESPONSE_BYTES={value!r} is not a positive whole number"
+    )
+
+
+# --- validation: every way in goes through AgentSettings.__post_init__ ---------------------
+
+BAD_SETTINGS = [
+    pytest.param(
+        {"request_timeout": math.nan},
+        "request timeout must be a finite number of seconds >= 0, 0 for no limit (got nan) — "
+        "check --request-timeout, FSM_KERNEL_REQUEST_TIMEOUT or agent.request_timeout in the "
+        "workflow",
+        id="request-timeout-nan",
+    ),
+    pytest.param({"request_timeout": math.inf}, "(got inf)", id="request-timeout-inf"),
+    pytest.param({"request_timeout": -1.0}, "(got -1.0)", id="request-timeout-negative"),
+    pytest.param({"request_timeout": "10"}, "(got '10')", id="request-timeout-text"),
+    pytest.param(
+        {"connect_timeout": 0},
+        "connect timeout must be a finite number of seconds > 0 (got 0)",
+        id="connect-timeout-zero",
+    ),
+    pytest.param({"connect_timeout": math.nan}, "(got nan)", id="connect-timeout-nan"),
+    pytest.param(
+        {"temperature": math.nan},
+        "temperature must be a finite number (got nan) — check agent.temperature in the workflow",
+        id="temperature-nan",
+    ),
+    pytest.param({"temperature": -math.inf}, "(got -inf)", id="temperature-inf"),
+    pytest.param(
+        {"max_retries": -1},
+        "max retries must be a whole number from 0 to 100 (got -1) — check --max-retries, "
+        "FSM_KERNEL_MAX_RETRIES or agent.max_retries in the workflow",
+        id="max-retries-negative",
+    ),
+    pytest.param({"max_retries": 101}, "(got 101)", id="max-retries-too-many"),
+    pytest.param({"max_retries": 2.5}, "(got 2.5)", id="max-retries-fraction"),
+    pytest.param({"max_retries": True}, "(got True)", id="max-retries-bool"),
+    pytest.param(
+        {"max_response_bytes": 0},
+        "max response bytes must be a whole number of bytes > 0 (got 0) — check "
+        "FSM_KERNEL_MAX_RESPONSE_BYTES",
+        id="max-response-bytes-zero",
+    ),
+    pytest.param({"max_response_bytes": -5}, "(got -5)", id="max-response-bytes-negative"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_SETTINGS)
+def test_insane_settings_are_refused(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        AgentSettings(**values)
+
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_SETTINGS)
+def test_merged_validates_too(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        AgentSettings().merged(values)
+
+    assert message in str(info.value)
+
+
+def test_edge_values_are_accepted() -> None:
+    s = AgentSettings(
+        request_timeout=0,
+        connect_timeout=0.001,
+        max_retries=100,
+        temperature=0.0,
+        max_response_bytes=1,
+    )
+
+    assert (s.request_timeout, s.max_retries, s.max_response_bytes) == (0, 100, 1)
+    assert AgentSettings(max_retries=0, request_timeout=1).max_retries == 0
+
+
+@pytest.mark.parametrize(
+    ("environ", "options", "named"),
+    [
+        ({"FSM_KERNEL_MAX_RETRIES": "1000"}, RunOptions(), "FSM_KERNEL_MAX_RETRIES"),
+        ({"FSM_KERNEL_REQUEST_TIMEOUT": "-3"}, RunOptions(), "FSM_KERNEL_REQUEST_TIMEOUT"),
+        ({}, RunOptions(request_timeout=math.nan), "--request-timeout"),
+        ({}, RunOptions(max_retries=-2), "--max-retries"),
+    ],
+    ids=["env-retries", "env-timeout", "flag-timeout-nan", "flag-retries"],
+)
+def test_bad_values_from_env_and_flags_fail_when_layered(
+    environ: dict[str, str], options: RunOptions, named: str
+) -> None:
+    spec = load_workflow_text(WITH_AGENT_BLOCK)
+
+    with pytest.raises(ConfigError, match=named):
+        agent_settings(spec, options, environ)
+
+
+def test_a_nan_temperature_in_the_workflow_is_refused_when_layered() -> None:
+    spec = load_workflow_text(WITH_AGENT_BLOCK.replace("temperature: 0.2", "temperature: .nan"))
+
+    with pytest.raises(ConfigError, match=r"temperature must be a finite number \(got nan\)"):
+        agent_settings(spec, RunOptions(), {})
 
 
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
