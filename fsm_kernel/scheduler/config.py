@@ -25,9 +25,15 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from fsm_kernel.config import default_store_location
-from fsm_kernel.errors import ScheduleError
+from fsm_kernel.errors import ScheduleError, StoreLocationError
 from fsm_kernel.scheduler.cron import check_cron_expression
-from fsm_kernel.workflow.loader import StrictBoolLoader
+from fsm_kernel.store import parse_store_location
+from fsm_kernel.workflow.loader import (
+    StrictBoolLoader,
+    YamlLimitError,
+    compose_yaml,
+    read_yaml_file,
+)
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -82,10 +88,23 @@ class SchedulerConfig(BaseModel):
     max_concurrent: Annotated[int, Field(strict=True, ge=1)] = 3
     """Dispatches running at once across every scheduler and worker sharing the store."""
     store: Annotated[str, Field(strict=True, min_length=1)] = Field(
-        default_factory=default_store_location
+        default_factory=default_store_location, validate_default=True
     )
-    """A SQLite file path or a postgresql:// DSN."""
+    """A SQLite file (path ending in .db, .sqlite or .sqlite3, or a sqlite:/// URL) or a
+    postgresql:// URL: the dispatch queue and the agents' event log. The default (from
+    FSM_KERNEL_STORE) is checked too, so a bad one fails at load and creates no file."""
     agents: tuple[AgentSpec, ...] = ()
+
+    @field_validator("store")
+    @classmethod
+    def _known_store(cls, value: str) -> str:
+        """Refused at load time, pointing at the line, rather than when the queue or the first
+        dispatch opens it (an unknown form used to become a SQLite file of that name)."""
+        try:
+            parse_store_location(value)
+        except StoreLocationError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("schedule")
     @classmethod
@@ -122,11 +141,14 @@ def load_scheduler_config(path: str | Path) -> SchedulerConfig:
     """Read and validate a scheduler YAML file.
 
     Raises:
-        ScheduleError: the file cannot be read, is not YAML, or is not a valid config; str() is
+        ScheduleError: the file cannot be read, is not YAML (or breaks a limit of the workflow
+            loader's, see `compose_yaml`), or is not a valid config; str() is
             `path:line:col: message`.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_yaml_file(Path(path))
+    except YamlLimitError as exc:
+        raise _yaml_error(exc, str(path)) from exc
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ScheduleError(f"{path}: cannot read scheduler config: {reason}") from exc
@@ -145,19 +167,23 @@ def parse_scheduler_config(text: str, *, source: str = "<config>") -> SchedulerC
 
 
 def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
-    loader = StrictBoolLoader(text)  # `off`/`no` stay strings, as in workflow files
+    """The node graph (for error locations) and the data, both within the YAML limits of the
+    workflow loader; `off`/`no` stay strings, as in workflow files."""
     try:
-        root = loader.get_single_node()
-        data = loader.construct_document(root) if root is not None else None
+        root = compose_yaml(text)
+        data = StrictBoolLoader("").construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        raise ScheduleError(f"{where}: invalid YAML: {exc.problem or exc}") from exc
+        raise _yaml_error(exc, source) from exc
     except yaml.YAMLError as exc:
         raise ScheduleError(f"{source}: invalid YAML: {exc}") from exc
-    finally:
-        loader.dispose()
     return root, data
+
+
+def _yaml_error(exc: yaml.MarkedYAMLError, source: str) -> ScheduleError:
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+    kind = "YAML limit exceeded" if isinstance(exc, YamlLimitError) else "invalid YAML"
+    return ScheduleError(f"{where}: {kind}: {exc.problem or exc}")
 
 
 def _located_error(exc: ValidationError, root: yaml.Node, source: str) -> ScheduleError:

@@ -34,7 +34,6 @@ __all__ = [
     "DispatchQueue",
     "DispatchStatus",
     "SqliteDispatchQueue",
-    "is_postgres_dsn",
     "open_queue",
 ]
 
@@ -187,32 +186,30 @@ class DispatchQueue(Protocol):
     def close(self) -> None: ...
 
 
-def is_postgres_dsn(store: str) -> bool:
-    """True for a postgresql:// or postgres:// URL."""
-    return store.strip().lower().startswith(("postgresql://", "postgres://"))
-
-
 def open_queue(store: str, *, clock: Clock | None = None) -> DispatchQueue:
     """The dispatch queue for a `store` setting, schema ready.
 
-    A postgresql:// DSN selects PostgreSQL (needs `pip install 'fsm-kernel[postgres]'`); anything
-    else is a SQLite file path, which may be the same file as the event log.
+    A postgresql:// DSN selects PostgreSQL (needs `pip install 'fsm-kernel[postgres]'`); a SQLite
+    location (see `fsm_kernel.store.parse_store_location`) may be the event log's own file.
 
     Raises:
-        ConfigError: `store` names a JSON Lines event log.
+        ConfigError: `store` names a JSON Lines event log (StoreLocationError: no backend).
         StoreError: the store cannot be opened (StoreSchemaError: its schema is too new).
     """
-    if is_postgres_dsn(store):
+    from fsm_kernel.store import parse_store_location
+
+    where = parse_store_location(store)  # the event log's rules: both land in the same place
+    if where.backend == "postgres":
         from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
 
-        queue: DispatchQueue = PostgresDispatchQueue(store.strip(), clock=clock)
-    elif store.strip().lower().endswith(".jsonl"):
+        queue: DispatchQueue = PostgresDispatchQueue(where.target, clock=clock)
+    elif where.backend == "jsonl":
         raise ConfigError(
             f"store {store!r} is a JSON Lines file, which cannot hold the dispatch queue: set "
             "`store:` in the scheduler config to a SQLite file or a postgresql:// URL"
         )
     else:
-        queue = SqliteDispatchQueue(store, clock=clock)
+        queue = SqliteDispatchQueue(where.target, clock=clock)
     try:
         queue.ensure_schema()
     except BaseException:

@@ -3,6 +3,11 @@
 
 The loader is YAML 1.2-ish on purpose: only true/false are booleans, so `on`, `off`, `yes` and
 `no` stay strings (PyYAML's default turns the key `on` into True).
+
+Every YAML file fsm-kernel reads (workflows here, the scheduler config too) is composed by
+`compose_yaml`, which refuses documents that would cost far more to load than their size
+suggests: huge files, deep nesting (PyYAML's composer recurses once per level) and alias bombs
+("billion laughs": a few hundred bytes whose aliases expand to billions of nodes).
 """
 
 from __future__ import annotations
@@ -14,18 +19,43 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from yaml.events import AliasEvent, CollectionStartEvent
 
 from fsm_kernel.errors import WorkflowSyntaxError, WorkflowValidationError
 from fsm_kernel.workflow.spec import SourceLocation, WorkflowSpec
 
 __all__ = [
+    "MAX_YAML_ALIASES",
+    "MAX_YAML_BYTES",
+    "MAX_YAML_DEPTH",
+    "MAX_YAML_NODES",
     "StrictBoolLoader",
+    "YamlLimitError",
+    "compose_yaml",
     "load_workflow",
     "load_workflow_text",
     "parse_yaml_with_locations",
+    "read_yaml_file",
 ]
 
 Locations = dict[tuple[Any, ...], SourceLocation]
+
+MAX_YAML_BYTES = 1024 * 1024
+"""Largest YAML file read (1 MiB): workflows and scheduler configs are a few KiB; the cap keeps
+a huge or endless file (a FIFO, /dev/zero) from being read into memory at all."""
+
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of sequences and mappings. Real files nest under 10 levels; the composer,
+the constructor and `_to_data` each recurse once per level, so this keeps all of them far from
+Python's recursion limit."""
+
+MAX_YAML_ALIASES = 100
+"""Most aliases (`*name`) in one document: a few reused anchors is normal, hundreds is not."""
+
+MAX_YAML_NODES = 10_000
+"""Most nodes a document may hold once every alias is replaced by a copy of what it refers to
+(as loading it into Python data does). A billion-laughs bomb of 90 aliases expands to 10**9
+nodes; a workflow has a few hundred."""
 
 
 class StrictBoolLoader(yaml.SafeLoader):
@@ -41,6 +71,112 @@ StrictBoolLoader.add_implicit_resolver(
     re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
     list("tTfF"),
 )
+
+
+class YamlLimitError(yaml.MarkedYAMLError):
+    """A document refused by one of the MAX_YAML_* limits; `problem_mark` is the offending node.
+
+    A MarkedYAMLError, so callers that already report YAML errors at their mark report these
+    too."""
+
+    def __init__(self, problem: str, mark: yaml.Mark) -> None:
+        super().__init__(problem=problem, problem_mark=mark)
+
+
+class _LimitedLoader(StrictBoolLoader):
+    """StrictBoolLoader whose composer enforces MAX_YAML_DEPTH, MAX_YAML_ALIASES and
+    MAX_YAML_NODES while it composes, i.e. before anything expands or recurses deeply.
+
+    The parser and scanner keep explicit stacks, so they do not recurse; the scanner checks
+    flow nesting too, because it looks ahead up to 1024 characters for a possible `key:` after
+    every `[` or `{`, which costs ~0.1 s on a long run of brackets before the composer sees any.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self._depth = 0
+        self._aliases = 0
+        self._expanded = 0
+        self._anchor_sizes: dict[str, int] = {}
+
+    def fetch_flow_collection_start(self, token_class: type[yaml.Token]) -> None:
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise YamlLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels", self.get_mark())
+        super().fetch_flow_collection_start(token_class)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, AliasEvent):
+            self._count_alias(event)
+            return super().compose_node(parent, index)
+        if isinstance(event, CollectionStartEvent) and self._depth >= MAX_YAML_DEPTH:
+            raise YamlLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+        before = self._expanded
+        self._add_nodes(1, event.start_mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if event.anchor is not None:
+            self._anchor_sizes[event.anchor] = self._expanded - before
+        return node
+
+    def _count_alias(self, event: AliasEvent) -> None:
+        """An alias costs the expanded size of its anchor's node; an alias to an anchor still
+        being composed would make a cycle, which `_to_data` would follow forever."""
+        self._aliases += 1
+        if self._aliases > MAX_YAML_ALIASES:
+            raise YamlLimitError(f"more than {MAX_YAML_ALIASES} aliases", event.start_mark)
+        if event.anchor in self.anchors and event.anchor not in self._anchor_sizes:
+            raise YamlLimitError(
+                f"alias *{event.anchor} refers to a node that contains it", event.start_mark
+            )
+        self._add_nodes(self._anchor_sizes.get(event.anchor, 0), event.start_mark)
+
+    def _add_nodes(self, count: int, mark: yaml.Mark) -> None:
+        self._expanded += count
+        if self._expanded > MAX_YAML_NODES:
+            raise YamlLimitError(
+                f"more than {MAX_YAML_NODES} nodes once aliases are expanded", mark
+            )
+
+
+def _size_error(name: str) -> YamlLimitError:
+    mark = yaml.Mark(name, 0, 0, 0, None, None)
+    return YamlLimitError(f"file larger than {MAX_YAML_BYTES} bytes", mark)
+
+
+def read_yaml_file(path: Path) -> str:
+    """The text of a YAML file, reading at most MAX_YAML_BYTES + 1 bytes of it.
+
+    Raises:
+        YamlLimitError: the file is larger than MAX_YAML_BYTES (marked at 1:1).
+        OSError, UnicodeDecodeError: the file cannot be read as UTF-8.
+    """
+    with path.open("rb") as stream:
+        data = stream.read(MAX_YAML_BYTES + 1)
+    if len(data) > MAX_YAML_BYTES:
+        raise _size_error(str(path))
+    return data.decode("utf-8")
+
+
+def compose_yaml(text: str) -> yaml.Node | None:
+    """The node graph of a single YAML document (None when empty), within the MAX_YAML_*
+    limits, with the strict booleans of StrictBoolLoader.
+
+    Raises:
+        YamlLimitError: the text breaks a limit; its mark is the offending node (1:1 for size).
+        yaml.YAMLError: the text is not YAML.
+    """
+    if len(text) > MAX_YAML_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
+        raise _size_error("<text>")
+    loader = _LimitedLoader(text)
+    try:
+        node: yaml.Node | None = loader.get_single_node()
+    finally:
+        loader.dispose()
+    return node
 
 
 def _loc(path: str, node: yaml.Node) -> SourceLocation:
@@ -72,18 +208,23 @@ def _to_data(node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations)
 def parse_yaml_with_locations(text: str, path: str) -> tuple[Any, Locations]:
     """Parse YAML text; returns plain data and a map from key paths to locations."""
     try:
-        root = yaml.compose(text, Loader=StrictBoolLoader)
+        root = compose_yaml(text)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else None
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise WorkflowSyntaxError(f"YAML syntax error: {problem}", location=where) from exc
+        raise _syntax_error(exc, path) from exc
     except yaml.YAMLError as exc:
         raise WorkflowSyntaxError(f"YAML syntax error: {exc}", location=path) from exc
     locs: Locations = {}
     if root is None:
         return None, locs
     return _to_data(root, path, (), locs), locs
+
+
+def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> WorkflowSyntaxError:
+    mark = exc.problem_mark or exc.context_mark
+    where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else None
+    problem = exc.problem or exc.context or "invalid YAML"
+    kind = "YAML limit exceeded" if isinstance(exc, YamlLimitError) else "YAML syntax error"
+    return WorkflowSyntaxError(f"{kind}: {problem}", location=where)
 
 
 def _pydantic_message(err: Any) -> str:
@@ -134,12 +275,14 @@ def load_workflow(path: str | Path) -> WorkflowSpec:
     """Load, parse and validate a workflow file.
 
     Raises:
-        WorkflowSyntaxError: the file is not YAML.
+        WorkflowSyntaxError: the file is not YAML, or breaks a MAX_YAML_* limit.
         WorkflowValidationError: the file is not a valid workflow (or cannot be read).
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_yaml_file(p)
+    except YamlLimitError as exc:
+        raise _syntax_error(exc, str(path)) from exc
     except FileNotFoundError:
         raise WorkflowValidationError(f"{p}: no such workflow file") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -1,4 +1,5 @@
-"""The scheduler config: defaults, the example file, and `path:line:col: message` errors."""
+"""The scheduler config: defaults, the example file, `path:line:col: message` errors, the YAML
+limits it shares with the workflow loader, and the `store:` forms."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import pytest
 
 from fsm_kernel.errors import ScheduleError
 from fsm_kernel.scheduler import load_scheduler_config, parse_scheduler_config
+from fsm_kernel.workflow.loader import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "scheduler.yaml"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "scheduler.yaml"
+ALIAS_BOMB = REPO / "tests" / "data" / "yaml_alias_bomb.yaml"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -109,6 +113,10 @@ BAD = [
     ("kernel_id: [unclosed\n", 2, 1, "invalid YAML"),
     ("- just\n- a list\n", 1, 1, "the scheduler config must be a mapping"),
     ("", 1, 1, "the scheduler config must be a mapping"),
+    ("store: mysql://fsm:hunter2@db/runs\n", 1, 8, "store: unsupported store location 'mysql://…'"),
+    ("store: 'host=db password=hunter2'\n", 1, 8, "store: unsupported store location (a keyword"),
+    ("kernel_id: k\nstore: runs\n", 2, 8, "store: unsupported store location 'runs': use a path"),
+    ("store: sqlite://runs.db\n", 1, 8, "store: unsupported store location 'sqlite://…'"),
 ]
 
 
@@ -135,3 +143,60 @@ def test_several_errors_are_summarised_on_one_line(tmp_path: Path) -> None:
 def test_an_unreadable_file_is_a_schedule_error(tmp_path: Path) -> None:
     with pytest.raises(ScheduleError, match=r"missing\.yaml: cannot read scheduler config"):
         load_scheduler_config(tmp_path / "missing.yaml")
+
+
+def test_a_refused_store_never_shows_its_password(tmp_path: Path) -> None:
+    for store in ("mysql://fsm:hunter2@db/runs", "host=db password=hunter2", "x password=hunter2"):
+        path = write(tmp_path, f"store: '{store}'\n")
+        with pytest.raises(ScheduleError) as err:
+            load_scheduler_config(path)
+        assert "hunter2" not in str(err.value)
+        assert "sqlite:///relative/path.db" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sched.yaml"]
+
+
+def test_a_bad_store_from_the_environment_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSM_KERNEL_STORE", "host=db password=hunter2")
+    with pytest.raises(ScheduleError) as err:
+        parse_scheduler_config("agents: []\n", source="s.yaml")
+    assert str(err.value).startswith("s.yaml:1:1: store: unsupported store location (a keyword")
+    assert "hunter2" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "store",
+    ["runs.db", "kernel.sqlite3", "sqlite:///state/runs.data", "postgresql://fsm:pw@db/runs"],
+)
+def test_accepted_store_forms(store: str) -> None:
+    assert parse_scheduler_config(f"store: '{store}'\n").store == store
+
+
+DEPTH = f"nesting deeper than {MAX_YAML_DEPTH} levels"
+# name -> (file text or None for the alias bomb file, line, col, message)
+LIMITS: dict[str, tuple[str | None, int, int, str]] = {
+    "alias_bomb": (None, 5, 8, f"more than {MAX_YAML_NODES} nodes once aliases are expanded"),
+    # The scanner, which reads ahead of the composer, stops at the 65th bracket.
+    "deep_flow": ("agents: " + "[" * 100_000, 1, 9 + MAX_YAML_DEPTH, DEPTH),
+    "deep_block": ("- " * 100_000 + "x\n", 1, 2 * MAX_YAML_DEPTH + 1, DEPTH),
+    "too_big": ("#" * (MAX_YAML_BYTES + 1), 1, 1, f"file larger than {MAX_YAML_BYTES} bytes"),
+}
+
+
+@pytest.mark.parametrize(("name", "case"), sorted(LIMITS.items()))
+def test_yaml_limits_of_the_workflow_loader_apply(
+    tmp_path: Path, name: str, case: tuple[str | None, int, int, str]
+) -> None:
+    text, line, col, message = case
+    path = ALIAS_BOMB if text is None else write(tmp_path, text)
+
+    with pytest.raises(ScheduleError) as err:
+        load_scheduler_config(path)
+
+    assert str(err.value) == f"{path}:{line}:{col}: YAML limit exceeded: {message}"
+
+
+def test_a_small_anchor_reused_in_the_config_still_loads() -> None:
+    config = parse_scheduler_config(
+        "agents:\n  - {agent_id: a, prompt: &p 'look at {STATE}'}\n  - {agent_id: b, prompt: *p}\n"
+    )
+    assert [a.prompt for a in config.agents] == ["look at {STATE}"] * 2

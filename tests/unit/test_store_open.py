@@ -1,5 +1,6 @@
-"""Opening event stores: open_store's dispatch, files that are not stores, schemas newer than
-the code, bad PostgreSQL DSNs, and the JSONL file's damage rules."""
+"""Opening event stores: the location forms open_store accepts and refuses (creating nothing,
+echoing no secret), files that are not stores, schemas newer than the code, bad PostgreSQL DSNs,
+and the JSONL file's damage rules."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import sqlite3
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
-from fsm_kernel.errors import StoreError, StoreSchemaError
+from fsm_kernel.errors import ConfigError, StoreError, StoreLocationError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventStore, EventType
 from fsm_kernel.store import (
     JsonlEventStore,
@@ -19,6 +21,7 @@ from fsm_kernel.store import (
     SqliteEventStore,
     is_postgres_dsn,
     open_store,
+    parse_store_location,
 )
 from fsm_kernel.store._schema import MIGRATIONS, SCHEMA_VERSION, plan_migrations
 
@@ -33,8 +36,6 @@ def ev(run_id: str, seq: int) -> Event:
 def test_open_store_dispatches_on_the_location(tmp_path: Path) -> None:
     with open_store(tmp_path / "a" / "b" / "runs.db") as sqlite_store:
         assert isinstance(sqlite_store, SqliteEventStore)
-    with open_store(str(tmp_path / "runs")) as no_suffix:
-        assert isinstance(no_suffix, SqliteEventStore)
     with open_store(str(tmp_path / "runs.jsonl")) as jsonl_store:
         assert isinstance(jsonl_store, JsonlEventStore)
     with open_store(tmp_path / "RUNS.JSONL") as upper:
@@ -51,6 +52,129 @@ def test_open_store_sends_postgres_urls_to_postgres(url: str) -> None:
         open_store(url)
 
 
+# location -> (backend class, the file it opens relative to the working directory)
+ACCEPTED: dict[str, tuple[type, str]] = {
+    "runs.db": (SqliteEventStore, "runs.db"),
+    "runs.sqlite": (SqliteEventStore, "runs.sqlite"),
+    "runs.sqlite3": (SqliteEventStore, "runs.sqlite3"),
+    "sub/RUNS.DB": (SqliteEventStore, "sub/RUNS.DB"),
+    "runs.jsonl": (JsonlEventStore, "runs.jsonl"),
+    "RUNS.JSONL": (JsonlEventStore, "RUNS.JSONL"),
+    "sqlite:///sub/runs.db": (SqliteEventStore, "sub/runs.db"),
+    "SQLITE:///runs.db": (SqliteEventStore, "runs.db"),
+    # The scheme is explicit, so any name will do (even .jsonl means SQLite here).
+    "sqlite:///runs.data": (SqliteEventStore, "runs.data"),
+    "sqlite:///runs.jsonl": (SqliteEventStore, "runs.jsonl"),
+}
+
+
+@pytest.mark.parametrize(("location", "expected"), sorted(ACCEPTED.items()))
+def test_every_accepted_form_opens_its_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, location: str, expected: tuple[type, str]
+) -> None:
+    backend, relative = expected
+    monkeypatch.chdir(tmp_path)
+
+    with open_store(location) as store:
+        assert type(store) is backend
+        store.append([ev("r", 1)])
+
+    assert (tmp_path / relative).is_file()
+    with open_store(location) as reopened:
+        assert reopened.read("r") == [ev("r", 1)]
+
+
+def test_sqlite_url_with_four_slashes_is_absolute(tmp_path: Path) -> None:
+    path = tmp_path / "abs" / "runs.db"
+
+    with open_store(f"sqlite:///{path}") as store:
+        assert isinstance(store, SqliteEventStore)
+
+    assert f"sqlite:///{path}".startswith("sqlite:////")
+    assert path.is_file()
+
+
+def test_a_path_object_is_a_path(tmp_path: Path) -> None:
+    with open_store(tmp_path / "runs.sqlite3") as store:
+        assert isinstance(store, SqliteEventStore)
+    assert parse_store_location(tmp_path / "x.jsonl").backend == "jsonl"
+
+
+@pytest.mark.postgres
+def test_a_postgresql_url_opens_postgres(pg_dsn: str) -> None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = {k: str(v) for k, v in conninfo_to_dict(pg_dsn).items()}
+    dbname = info.pop("dbname", "postgres")
+    query = "&".join(f"{k}={quote(v, safe='')}" for k, v in sorted(info.items()))
+
+    with open_store(f"postgresql:///{quote(dbname, safe='')}?{query}") as store:
+        assert isinstance(store, PostgresEventStore)
+        store.append([ev("r", 1)])
+        assert store.read("r") == [ev("r", 1)]
+
+
+# location -> what the message shows of it
+REFUSED: dict[str, str] = {
+    "mysql://fsm:hunter2@db/runs": "'mysql://…'",
+    "s3://bucket/runs.db": "'s3://…'",
+    "sqlite://runs.db": "'sqlite://…'",  # two slashes: a host, which SQLite has not
+    "sqlite:runs.db": "'sqlite:…'",
+    "fsm:hunter2@db/runs.db": "'fsm:…'",  # a URL that lost its scheme
+    "sqlite:///": "'sqlite:///' without a path",
+    "host=db password=hunter2": "(a keyword string, not shown)",
+    "dbname=runs.db password=hunter2": "(a keyword string, not shown)",
+    "notes.txt": "'notes.txt'",
+    "runs": "'runs'",
+    "runs.db password=hunter2": "'runs.db password=[REDACTED]'",
+    ":memory:": "':memory:'",  # sqlite:///:memory: is the way to say it
+    "": "(empty)",
+    "   ": "(empty)",
+}
+
+
+@pytest.mark.parametrize(("location", "shown"), sorted(REFUSED.items()))
+def test_every_other_location_is_refused_and_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, location: str, shown: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(StoreLocationError) as info:
+        open_store(location)
+
+    message = str(info.value)
+    assert isinstance(info.value, ConfigError)  # the CLI exits 2
+    assert message.startswith(f"unsupported store location {shown}: use a path ending in .db, ")
+    assert "sqlite:///relative/path.db or sqlite:////absolute/path.db" in message
+    assert "postgresql://" in message
+    assert "hunter2" not in message
+    assert "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_path_object_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(StoreLocationError) as info:
+        open_store(tmp_path / "sub" / "runs")
+
+    assert f"'{tmp_path / 'sub' / 'runs'}'" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_exits_2_on_a_refused_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsm_kernel.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["runs", "list", "--store", "host=db password=hunter2"]) == 2
+
+    err = capsys.readouterr().err
+    assert "unsupported store location (a keyword string, not shown)" in err
+    assert "hunter2" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_is_postgres_dsn() -> None:
     assert is_postgres_dsn(" POSTGRESQL://h/db")
     assert not is_postgres_dsn("postgresql.db")
@@ -58,12 +182,12 @@ def test_is_postgres_dsn() -> None:
 
 
 def test_in_memory_sqlite_store() -> None:
-    with open_store(":memory:") as store:
+    with open_store("sqlite:///:memory:") as store:
         store.append([ev("r", 1)])
         assert store.read("r") == [ev("r", 1)]
 
 
-@pytest.mark.parametrize("name", ["notes.db", "notes.txt", "notes"])
+@pytest.mark.parametrize("name", ["notes.db", "notes.sqlite"])
 def test_a_text_file_is_not_a_database(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     path.write_text("these are my notes, not a database\n" * 20)

@@ -1,15 +1,23 @@
 """Workflow loading: every broken file in tests/data gives its exact `path:line:col: message`,
-YAML 1.2 booleans (on/off/yes/no stay strings), and the stock default.yaml loads."""
+YAML 1.2 booleans (on/off/yes/no stay strings), the YAML limits (size, depth, alias bombs), and
+the stock default.yaml loads."""
 
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from fsm_kernel.cli import main
 from fsm_kernel.errors import WorkflowError, WorkflowSyntaxError, WorkflowValidationError
 from fsm_kernel.workflow.loader import (
+    MAX_YAML_ALIASES,
+    MAX_YAML_BYTES,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    YamlLimitError,
     load_workflow,
     load_workflow_text,
     parse_yaml_with_locations,
@@ -19,6 +27,7 @@ from fsm_kernel.workflow.spec import SourceLocation, WorkflowSpec
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 DEFAULT = REPO / "workflows" / "default.yaml"
+ALIAS_BOMB = DATA / "yaml_alias_bomb.yaml"
 
 NOT_CALLABLE = 42
 
@@ -309,6 +318,157 @@ def test_locations_are_one_based() -> None:
     assert locs[("a", "b")] == SourceLocation("f.yaml", 2, 6)
     assert locs[("a", "b", 1)] == SourceLocation("f.yaml", 2, 10)
     assert str(locs[("a", "b", 1)]) == "f.yaml:2:10"
+
+
+# --- YAML limits ------------------------------------------------------------------------------
+
+DEPTH_ERROR = f"YAML limit exceeded: nesting deeper than {MAX_YAML_DEPTH} levels"
+NODES_ERROR = f"YAML limit exceeded: more than {MAX_YAML_NODES} nodes once aliases are expanded"
+SIZE_ERROR = f"YAML limit exceeded: file larger than {MAX_YAML_BYTES} bytes"
+
+# name -> (text, line, col) of the first collection past MAX_YAML_DEPTH (the 65th)
+DEEP: dict[str, tuple[str, int, int]] = {
+    "flow_sequences": ("[" * 100_000 + "]" * 100_000, 1, 65),
+    "flow_mappings": ("{a: " * 100_000 + "}" * 100_000, 1, 4 * 64 + 1),
+    "block_sequences": ("- " * 100_000 + "x\n", 1, 2 * 64 + 1),
+    # One space per level: 1,000 levels is already ~0.5 MB (100,000 would be 5 GB).
+    "block_mappings": ("".join(" " * i + "a:\n" for i in range(1_000)), 65, 65),
+}
+
+
+def test_the_limits() -> None:
+    assert (MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_ALIASES, MAX_YAML_NODES) == (
+        1024 * 1024,
+        64,
+        100,
+        10_000,
+    )
+
+
+def test_alias_bomb_is_refused_at_the_alias_before_it_expands() -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(WorkflowSyntaxError) as info:
+            load_workflow(ALIAS_BOMB)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    # Line 5 `e: &e [*d, ...]`: the first *d (7,381 nodes) takes the total past the budget.
+    assert str(info.value) == f"{ALIAS_BOMB}:5:8: {NODES_ERROR}"
+    assert isinstance(info.value.__cause__, YamlLimitError)
+    assert peak < 20 * 1024 * 1024  # expanded, the bomb is 10**9 nodes
+
+
+@pytest.mark.parametrize(("name", "case"), sorted(DEEP.items()))
+def test_deep_nesting_is_refused_at_the_first_level_too_deep(
+    tmp_path: Path, name: str, case: tuple[str, int, int]
+) -> None:
+    text, line, col = case
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text, encoding="utf-8")
+
+    with pytest.raises(WorkflowSyntaxError) as info:
+        load_workflow(path)
+
+    assert str(info.value) == f"{path}:{line}:{col}: {DEPTH_ERROR}"
+
+
+@pytest.mark.parametrize("style", ["flow", "block"])
+def test_nesting_up_to_the_limit_parses(style: str) -> None:
+    depth = MAX_YAML_DEPTH
+    text = "[" * depth + "]" * depth if style == "flow" else "- " * (depth - 1) + "[]\n"
+
+    data, _ = parse_yaml_with_locations(text, "deep.yaml")
+
+    for _ in range(depth - 1):
+        (data,) = data
+    assert data == []
+
+
+def test_a_file_over_the_size_cap_is_refused_before_parsing(tmp_path: Path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"[" + b" " * MAX_YAML_BYTES)  # would be a syntax error at the end
+
+    with pytest.raises(WorkflowSyntaxError) as info:
+        load_workflow(path)
+
+    assert str(info.value) == f"{path}:1:1: {SIZE_ERROR}"
+
+
+def test_text_over_the_size_cap_is_measured_in_utf8_bytes() -> None:
+    text = "# " + "é" * (MAX_YAML_BYTES // 2)  # fewer characters than the cap, more bytes
+
+    assert _error(text) == f"w.yaml:1:1: {SIZE_ERROR}"
+
+
+def test_a_file_at_the_size_cap_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "comments.yaml"
+    path.write_bytes(b"#" * MAX_YAML_BYTES)
+
+    with pytest.raises(WorkflowValidationError, match="a workflow must be a mapping of keys"):
+        load_workflow(path)
+
+
+def test_too_many_aliases_are_refused_at_the_first_one_over() -> None:
+    text = "x: &x 1\nys: [" + ", ".join(["*x"] * (MAX_YAML_ALIASES + 1)) + "]\n"
+
+    col = len("ys: [") + 4 * MAX_YAML_ALIASES + 1
+    assert _error(text) == f"w.yaml:2:{col}: YAML limit exceeded: more than 100 aliases"
+
+
+def test_an_alias_inside_its_own_anchor_is_refused() -> None:
+    assert _error("a: &a [1, *a]\n") == (
+        "w.yaml:1:11: YAML limit exceeded: alias *a refers to a node that contains it"
+    )
+
+
+def test_plain_documents_count_against_the_node_budget_too() -> None:
+    text = "[" + "1," * MAX_YAML_NODES + "]"
+
+    assert _error(text) == f"w.yaml:1:{2 * MAX_YAML_NODES}: {NODES_ERROR}"
+
+
+def test_a_small_anchor_reused_a_few_times_still_loads() -> None:
+    text = """\
+name: reuse
+initial: start
+states:
+  start: &observe {action: session.observe}
+  again: *observe
+  end: {final: true}
+transitions:
+  - &to_again {source: start, target: again}
+  - {source: again, target: end, guard: &answer [has_answer], reason: final_answer}
+  - {source: again, target: end, guard: *answer, reason: done}
+  - {source: again, target: end, reason: final_answer}
+"""
+    spec = load_workflow_text(text, path="w.yaml")
+
+    assert spec.states["again"] == spec.states["start"]
+    assert spec.transitions[1].guard == spec.transitions[2].guard == ["has_answer"]
+    assert spec.location("states", "again") == spec.location("states", "start")
+
+
+def test_an_undefined_alias_is_still_a_syntax_error() -> None:
+    assert _error("a: *nowhere\n").startswith("w.yaml:1:4: YAML syntax error: found undefined")
+
+
+@pytest.mark.parametrize("name", ["alias_bomb", "deep"])
+def test_validate_command_exits_2_with_the_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    if name == "alias_bomb":
+        path, where, message = ALIAS_BOMB, "5:8", NODES_ERROR
+    else:
+        path, where, message = tmp_path / "deep.yaml", "1:65", DEPTH_ERROR
+        path.write_text(DEEP["flow_sequences"][0], encoding="utf-8")
+
+    assert main(["validate", str(path)]) == 2
+
+    err = capsys.readouterr().err
+    assert f"{path}:{where}: {message}" in err
+    assert "internal error" not in err
 
 
 # --- the stock default workflow ---------------------------------------------------------------
