@@ -2,6 +2,7 @@
 
     FsmKernelError
     ├─ ConfigError
+    │  └─ StoreLocationError (a --store / FSM_KERNEL_STORE / `store:` of no known form)
     ├─ MemoryStoreError (the memory folder or a file in it cannot be read)
     ├─ WorkflowError(message, location)      str() -> "path:line:col: message"
     │  ├─ WorkflowSyntaxError                YAML that does not parse
@@ -15,7 +16,9 @@
     │  ├─ ToolNotFoundError  ├─ ToolArgumentsError  ├─ ToolExecutionError  ├─ ToolTimeoutError
     │  └─ ToolFatalError (a handler's way to say the run cannot go on: fatal_tool_error)
     ├─ RunError(message, run_id)
-    │  ├─ NoTransitionError  ├─ RunNotFoundError  ├─ ResumeError  └─ ReplayDivergenceError
+    │  ├─ NoTransitionError  ├─ RunNotFoundError  ├─ ReplayDivergenceError
+    │  └─ ResumeError
+    │     └─ RunLockedError (another process is running the run right now)
     ├─ StoreError
     │  ├─ StoreConflictError (an event seq or a lease already taken)  └─ StoreSchemaError
     └─ ScheduleError (bad cron expression, bad scheduler config)
@@ -44,10 +47,12 @@ __all__ = [
     "ReplayDivergenceError",
     "ResumeError",
     "RunError",
+    "RunLockedError",
     "RunNotFoundError",
     "ScheduleError",
     "StoreConflictError",
     "StoreError",
+    "StoreLocationError",
     "StoreSchemaError",
     "ToolArgumentsError",
     "ToolError",
@@ -94,6 +99,11 @@ def _rebuild(cls: type[FsmKernelError], state: dict[str, Any]) -> FsmKernelError
 
 class ConfigError(FsmKernelError):
     """A setting, flag or environment variable has an unusable value."""
+
+
+class StoreLocationError(ConfigError):
+    """A store location that names no backend; a ConfigError, as it is a bad setting and not a
+    failing store, so nothing is created and the CLI exits 2."""
 
 
 class MemoryStoreError(FsmKernelError):
@@ -236,6 +246,11 @@ class RunNotFoundError(RunError):
 
 class ResumeError(RunError):
     """A run cannot be resumed (finished already, workflow changed, ...)."""
+
+
+class RunLockedError(ResumeError):
+    """Another holder (a process, or another task of this one) has the run's lock: two
+    processes appending to one run would collide on its next seq."""
 
 
 class ReplayDivergenceError(RunError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,13 +116,19 @@ class Kernel:
     async def run(self, prompt: str, *, run_id: str | None = None) -> RunResult:
         """Run the workflow on `prompt` until it terminates; never raises for run failures."""
         run_id = run_id or new_id()
-        recorder = self._recorder(run_id)
-        recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
-        ctx = self.new_context(run_id, prompt, recorder)
-        machine = self.workflow.instantiate(ctx)
-        recorder.state = machine.state
-        recorder.record(EventType.STATE_ENTERED, {})
-        return await self.drive(ctx, machine, recorder)
+        with self.lock(run_id):
+            recorder = self._recorder(run_id)
+            recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
+            ctx = self.new_context(run_id, prompt, recorder)
+            machine = self.workflow.instantiate(ctx)
+            recorder.state = machine.state
+            recorder.record(EventType.STATE_ENTERED, {})
+            return await self.drive(ctx, machine, recorder)
+
+    def lock(self, run_id: str) -> AbstractContextManager[None]:
+        """The run's exclusive lock in the store, held while the run is driven, so a `resume`
+        of a live run is refused at once (RunLockedError); nothing to lock without a store."""
+        return self.store.lock_run(run_id) if self.store is not None else nullcontext()
 
     def run_sync(self, prompt: str, *, run_id: str | None = None) -> RunResult:
         """`run` for code without an event loop."""

@@ -11,6 +11,7 @@ import json
 import secrets
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -377,6 +378,16 @@ class EventStore(Protocol):
 
     def find_run(self, prefix: str) -> str:
         """The full run id for an id or a unique prefix of one; RunNotFoundError otherwise."""
+        ...
+
+    def lock_run(self, run_id: str) -> AbstractContextManager[None]:
+        """Hold the run's exclusive lock for a `with` block, so one process at a time appends
+        to a run (two would collide on its next seq). Takes the full run id (see find_run).
+
+        Non-blocking: raises RunLockedError at once when another process, or another holder in
+        this one, has it. Released when the block exits, and also when the holding process dies
+        (even by kill -9), so a crashed run can be resumed right away.
+        """
         ...
 
     def close(self) -> None: ...

@@ -152,8 +152,16 @@ async def resume_run(
 
     Raises:
         RunNotFoundError: no such run.
+        RunLockedError: another process (or task) is running or resuming it.
         ResumeError: it already terminated, or its workflow file changed (unless `force`).
     """
+    with store.lock_run(store.find_run(run_id)):  # before reading: two resumes cannot both start
+        return await _resume_locked(kernel, store, run_id, force=force)
+
+
+async def _resume_locked(
+    kernel: Kernel, store: EventStore, run_id: str, *, force: bool
+) -> RunResult:
     run = RecordedRun.load(store, run_id)
     if run.terminated is not None:
         reason = run.terminated.data.get("reason")

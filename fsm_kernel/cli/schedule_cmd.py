@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from fsm_kernel.bootstrap import RunOptions, build_kernel, resolve_workflow
+from fsm_kernel.cli.commands import load_spec
 from fsm_kernel.cli.output import cut
 from fsm_kernel.scheduler import (
     AgentRunner,
@@ -20,15 +23,17 @@ from fsm_kernel.scheduler import (
     RunOutcome,
     Scheduler,
     SchedulerConfig,
+    SkippedAgent,
     Worker,
     load_scheduler_config,
     open_queue,
     state_tools,
 )
 from fsm_kernel.store import open_store
-from fsm_kernel.workflow.loader import load_workflow
 
 EXIT_OK, EXIT_FAIL = 0, 1
+
+logger = logging.getLogger(__name__)
 
 
 def register(sub: Any) -> None:
@@ -45,14 +50,12 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print cycle results as JSON lines")
     p.add_argument("--base-url", help="model server for every agent (overrides env/workflow)")
     p.add_argument("--model", help="model for every agent")
-    p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(handler=cmd_schedule)
     p = sub.add_parser("worker", help="an extra worker that only executes queued dispatches")
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--concurrency", type=int, help="dispatches this worker runs at once")
     p.add_argument("--base-url")
     p.add_argument("--model")
-    p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(handler=cmd_worker)
     p = sub.add_parser("dispatches", help="recent dispatches of a scheduler config")
     p.add_argument("config", metavar="CONFIG")
@@ -63,33 +66,47 @@ def register(sub: Any) -> None:
 
 def make_runner(config: SchedulerConfig, config_path: Path, options: RunOptions) -> AgentRunner:
     """One dispatch = one kernel run of the agent's workflow, recorded in the config's store,
-    with the STATE.md tools added."""
+    with the STATE.md tools added. A dispatch that cannot even start (its workflow does not
+    load, the store is down) fails in the executor with one WARNING line (traceback at -v).
+    """
 
     async def run(agent: AgentSpec, prompt: str) -> RunOutcome:
-        spec = load_workflow(_agent_workflow(agent.workflow, config_path))
-        agent_options = RunOptions(
-            model=options.model,
-            base_url=options.base_url,
-            timeout_seconds=float(config.timeout_seconds),
-            extra_tools=state_tools(config.state_file),
-        )
-        store = open_store(config.store)
-        try:
-            kernel, model = build_kernel(spec, agent_options, store=store)
-            try:
-                result = await kernel.run(prompt)
-            finally:
-                await model.aclose()
-        finally:
-            store.close()
-        return RunOutcome(
-            ok=result.ok,
-            run_id=result.run_id,
-            termination_reason=result.termination_reason,
-            error=result.error,
-        )
+        return await _run_agent(config, config_path, options, agent, prompt)
 
     return run
+
+
+async def _run_agent(
+    config: SchedulerConfig,
+    config_path: Path,
+    options: RunOptions,
+    agent: AgentSpec,
+    prompt: str,
+) -> RunOutcome:
+    # load_spec puts the workflow's folder and the cwd on sys.path, as `fsm-kernel run` does,
+    # so a workflow's own `package.module:function` code imports.
+    spec = load_spec(str(_agent_workflow(agent.workflow, config_path)))
+    agent_options = RunOptions(
+        model=options.model,
+        base_url=options.base_url,
+        timeout_seconds=float(config.timeout_seconds),
+        extra_tools=state_tools(config.state_file),
+    )
+    store = open_store(config.store)
+    try:
+        kernel, model = build_kernel(spec, agent_options, store=store)
+        try:
+            result = await kernel.run(prompt)
+        finally:
+            await model.aclose()
+    finally:
+        store.close()
+    return RunOutcome(
+        ok=result.ok,
+        run_id=result.run_id,
+        termination_reason=result.termination_reason,
+        error=result.error,
+    )
 
 
 def _agent_workflow(name: str, config_path: Path) -> Path:
@@ -122,10 +139,44 @@ def _print_cycle(result: CycleResult, as_json: bool) -> None:
         outcome = d.termination_reason or ""
         error = f" — {cut(d.error, 120)}" if d.error else ""
         print(f"  {d.status:9} {d.agent_id:16} run {d.run_id or '-'} {outcome}{error}")
-    for s in result.skipped_agents:
-        info = s.to_dict()
-        print(f"  skipped   {info.get('agent_id', ''):16} {info.get('reason', '')}")
     sys.stdout.flush()
+    for skip in result.skipped_agents:
+        print(_skip_line(skip, result.tick), file=sys.stderr, flush=True)
+
+
+def _skip_line(skip: SkippedAgent, tick: datetime) -> str:
+    """Why an agent was not dispatched, on one line; for a running dispatch the worker and the
+    lease expiry, since a killed scheduler's dispatch blocks its agent until then."""
+    head = f"skipped {skip.agent_id}: {skip.reason}"
+    if skip.reason == "disabled":
+        return f"{head} (enabled: false in the config)"
+    if skip.reason == "duplicate":
+        return f"{head} (this tick's dispatch already exists: another scheduler fired it)"
+    if skip.reason == "pending":
+        return f"{head}: dispatch {skip.dispatch_id} is still queued, waiting for a worker"
+    if skip.lease_expires_at is None:
+        return f"{head}: dispatch {skip.dispatch_id}"
+    expiry = skip.lease_expires_at.isoformat(timespec="seconds")
+    if skip.lease_expires_at <= tick:
+        return (
+            f"{head}: dispatch {skip.dispatch_id} of worker {skip.worker_id}, whose lease "
+            f"expired at {expiry}; any worker may reclaim it now"
+        )
+    return (
+        f"{head}: dispatch {skip.dispatch_id} is held by worker {skip.worker_id}, lease "
+        f"expires at {expiry} (in {_duration(skip.lease_expires_at - tick)}); if that worker "
+        "is dead, the dispatch is reclaimed then"
+    )
+
+
+def _duration(delta: timedelta) -> str:
+    """A short human duration: 1h 5m, 29m 59s, 45s."""
+    seconds = max(int(delta.total_seconds()), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {seconds}s" if minutes else f"{seconds}s"
 
 
 def _install_stop(stop: Any) -> None:

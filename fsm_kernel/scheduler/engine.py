@@ -52,6 +52,9 @@ class CycleResult:
     details: tuple[DispatchDetail, ...] = ()
     """Every dispatch this cycle executed (it may also pick up older pending ones)."""
     skipped_agents: tuple[SkippedAgent, ...] = ()
+    """Which agents were not dispatched and why; a running one names the dispatch, the worker
+    holding its lease and when that lease expires (a dead scheduler's dispatch blocks its
+    agent until then)."""
     enqueued_ids: tuple[str, ...] = ()
     tick_skipped: str | None = None
     """None when the cycle ran; "overlap" (previous cycle still running) or "taken" (another

@@ -154,8 +154,8 @@ class DispatchExecutor:
                 dispatch.dispatch_id,
                 agent.agent_id,
                 one_line_error(exc),
-                exc_info=True,
             )
+            logger.debug("dispatch %s failed", dispatch.dispatch_id, exc_info=True)
             return RunOutcome(ok=False, error=one_line_error(exc))
         if not isinstance(outcome, RunOutcome):
             return RunOutcome(ok=False, error=f"runner returned {type(outcome).__name__}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from fsm_kernel.scheduler.config import AgentSpec
@@ -32,14 +33,32 @@ class PlannedDispatch:
 
 @dataclass(frozen=True, kw_only=True)
 class SkippedAgent:
+    """An agent a tick did not dispatch, with enough to tell the user why and until when: a
+    scheduler killed mid-run leaves its dispatches running until their leases expire."""
+
     agent_id: str
     reason: str
-    """disabled, pending, running or duplicate."""
+    """disabled (in the config), pending or running (its previous dispatch is still active;
+    one active dispatch per agent), or duplicate (this tick's dispatch already exists)."""
     dispatch_id: str | None = None
     """The dispatch that caused the skip, when there is one."""
+    worker_id: str | None = None
+    """For a running dispatch: the worker holding its lease."""
+    lease_expires_at: datetime | None = None
+    """For a running dispatch: when the lease runs out and another worker may reclaim it."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"agent_id": self.agent_id, "reason": self.reason, "dispatch_id": self.dispatch_id}
+        """JSON-safe form; worker_id and lease_expires_at only when known (a leased dispatch)."""
+        out: dict[str, Any] = {
+            "agent_id": self.agent_id,
+            "reason": self.reason,
+            "dispatch_id": self.dispatch_id,
+        }
+        if self.worker_id is not None:
+            out["worker_id"] = self.worker_id
+        if self.lease_expires_at is not None:
+            out["lease_expires_at"] = self.lease_expires_at.isoformat()
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,13 +90,19 @@ def plan_dispatches(
         if not agent.enabled:
             skipped.append(SkippedAgent(agent_id=agent.agent_id, reason="disabled"))
         elif previous is not None and previous.is_active:
-            skipped.append(
-                SkippedAgent(
-                    agent_id=agent.agent_id,
-                    reason=previous.status.value,
-                    dispatch_id=previous.dispatch_id,
-                )
-            )
+            skipped.append(_still_active(previous))
         else:
             planned.append(PlannedDispatch(agent=agent, prompt=render_prompt(agent.prompt, state)))
     return Plan(dispatches=tuple(planned), skipped=tuple(skipped))
+
+
+def _still_active(dispatch: Dispatch) -> SkippedAgent:
+    """The skip of an agent whose previous dispatch is pending or running (maybe under the
+    lease of a worker that died: it stays running until the lease expires)."""
+    return SkippedAgent(
+        agent_id=dispatch.agent_id,
+        reason=dispatch.status.value,
+        dispatch_id=dispatch.dispatch_id,
+        worker_id=dispatch.worker_id,
+        lease_expires_at=dispatch.lease_expires_at,
+    )

@@ -18,12 +18,20 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError, StoreSchemaError
+from fsm_kernel.errors import (
+    RunNotFoundError,
+    StoreConflictError,
+    StoreError,
+    StoreSchemaError,
+)
 from fsm_kernel.protocol import Event, EventStore, RunSummary
+from fsm_kernel.redact import redact_data
+from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     check_events,
@@ -59,6 +67,7 @@ class JsonlEventStore:
         self._needs_newline = False
         self._events: dict[str, dict[int, Event]] = {}
         self._runs: dict[str, RunSummary] = {}
+        self._run_locks = RunLockFile(self.path.with_name(self.path.name + RUN_LOCKS_SUFFIX))
         try:
             with self._lock, self._flocked(fcntl.LOCK_SH):
                 self._catch_up()
@@ -143,6 +152,16 @@ class JsonlEventStore:
             self._catch_up()
             matches = sorted(r for r in self._runs if r.startswith(cleaned))
         return resolve_run(cleaned, matches[: AMBIGUOUS_SHOWN + 1])
+
+    def lock_run(self, run_id: str) -> contextlib.AbstractContextManager[None]:
+        """Hold the run's exclusive lock (see EventStore.lock_run) in `<path>.locks`.
+
+        Raises:
+            RunLockedError: another process, or another holder in this one, has it.
+            StoreError: the store is closed or the lock file cannot be opened.
+        """
+        self._live()
+        return self._run_locks.hold(run_id)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -256,7 +275,9 @@ def export_run(store: EventStore, run_id: str, path: str | Path) -> int:
         raise RunNotFoundError(f"no run with id {run_id!r}", run_id=run_id)
     target = Path(path).expanduser()
     try:
-        _atomic_write(target, b"".join(_encode_line(e) for e in events))
+        # Redacted again: a log written before redaction existed must not leak through export.
+        lines = (_encode_line(replace(e, data=redact_data(e.data))) for e in events)
+        _atomic_write(target, b"".join(lines))
     except OSError as exc:
         raise StoreError(f"{target}: cannot export run {run_id}: {exc}") from exc
     logger.info("exported %d events of run %s to %s", len(events), run_id, target)

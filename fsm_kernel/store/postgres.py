@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.protocol import Event, RunSummary
+from fsm_kernel.store._runlock import run_lock_key, run_locked_error
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 _INSTALL_HINT = "pip install 'fsm-kernel[postgres]'"
 # Serializes schema set-up between processes opening the same database at once ("fsmk").
 _MIGRATION_LOCK_KEY = 0x66736D6B
+_RUN_LOCK_BITS = 63  # advisory lock keys are signed bigints: stay non-negative
 _CONNECT_TIMEOUT_S = 10
 
 _INSERT_EVENT = (
@@ -180,12 +182,50 @@ class PostgresEventStore:
         rows = self._query(_SELECT_PREFIX, params, what="find_run failed")
         return resolve_run(cleaned, [row[0] for row in rows])
 
+    @contextmanager
+    def lock_run(self, run_id: str) -> Iterator[None]:
+        """Hold the run's exclusive lock (see EventStore.lock_run): a session advisory lock on
+        a connection of its own, held for the block, so the server releases it when the
+        holder's process or connection dies. (A connection broken mid-block, by a server
+        restart, loses the lock; the unlock at the end then only logs.)
+
+        Raises:
+            RunLockedError: another session (process, host or holder in this process) has it.
+            StoreError: the store is closed or the database failed.
+        """
+        if self._closed:
+            raise StoreError(f"{self._where}: event store is closed")
+        key = run_lock_key(run_id, bits=_RUN_LOCK_BITS)
+        conn = self._connect()
+        try:
+            self._try_advisory_lock(conn, run_id, key)
+            try:
+                yield
+            finally:
+                self._advisory_unlock(conn, run_id, key)
+        finally:
+            conn.close()
+
     def close(self) -> None:
         """Close the connection (idempotent)."""
         with self._lock:
             conn, self._conn, self._closed = self._conn, None, True
         if conn is not None:
             conn.close()
+
+    def _try_advisory_lock(self, conn: psycopg.Connection[Any], run_id: str, key: int) -> None:
+        try:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+        except self._psycopg.Error as exc:
+            raise self._error(f"cannot lock run {run_id}", exc) from exc
+        if not (row and row[0]):
+            raise run_locked_error(run_id)
+
+    def _advisory_unlock(self, conn: psycopg.Connection[Any], run_id: str, key: int) -> None:
+        try:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        except self._psycopg.Error as exc:  # closing the connection releases it anyway
+            logger.warning("%s: run %s: unlock failed: %s", self._where, run_id, exc)
 
     def _live(self) -> psycopg.Connection[Any]:
         if self._closed:

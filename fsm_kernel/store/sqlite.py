@@ -10,7 +10,7 @@ import sqlite3
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -18,6 +18,7 @@ from typing import Any
 
 from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.protocol import Event, RunSummary
+from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
@@ -77,6 +78,9 @@ class SqliteEventStore:
     def __init__(self, path: str | Path, *, busy_timeout: float = _BUSY_TIMEOUT_S) -> None:
         self.path = Path(path).expanduser() if str(path) != ":memory:" else Path(":memory:")
         self._lock = threading.Lock()
+        in_memory = self.path == Path(":memory:")
+        lock_path = None if in_memory else self.path.with_name(self.path.name + RUN_LOCKS_SUFFIX)
+        self._run_locks = RunLockFile(lock_path)
         self._conn: sqlite3.Connection | None = _connect(self.path, busy_timeout)
         try:
             self._migrate()
@@ -151,6 +155,17 @@ class SqliteEventStore:
         params = (len(cleaned), cleaned, AMBIGUOUS_SHOWN + 1)
         rows = self._query(_SELECT_PREFIX, params, what="find_run failed")
         return resolve_run(cleaned, [row[0] for row in rows])
+
+    def lock_run(self, run_id: str) -> AbstractContextManager[None]:
+        """Hold the run's exclusive lock (see EventStore.lock_run): a record lock in
+        `<path>.locks`, not a row, so a killed holder leaves nothing behind to expire.
+
+        Raises:
+            RunLockedError: another process, or another holder in this one, has it.
+            StoreError: the store is closed or the lock file cannot be opened.
+        """
+        self._live()
+        return self._run_locks.hold(run_id)
 
     def close(self) -> None:
         """Close the connection (idempotent)."""

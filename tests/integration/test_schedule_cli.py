@@ -9,9 +9,12 @@ answers through one callable that tells them apart by the prompt in the user mes
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from typing import Any
 import pytest
 
 from fsm_kernel.cli import main
-from fsm_kernel.scheduler import engine
+from fsm_kernel.scheduler import Dispatch, engine, open_queue
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
     Reply,
@@ -162,7 +165,8 @@ def test_once_runs_the_enabled_agents_and_one_failure_does_not_stop_the_other(
     assert summary(result.out) == (2, 1, 1, 1)
     assert re.search(r"^\s+done\s+writer\s+run \S+ final_answer$", result.out, re.M)
     assert re.search(r"^\s+failed\s+breaker\s+run \S+ agent_error — .*400", result.out, re.M)
-    assert re.search(r"^\s+skipped\s+off\s+disabled$", result.out, re.M)
+    assert "skipped" not in result.out.replace("skipped 1", "")  # skips go to stderr
+    assert re.search(r"^skipped off: disabled \(enabled: false in the config\)$", result.err, re.M)
     assert "Traceback" not in result.err
     server.assert_complete()  # exactly 2 writer requests and 1 breaker request
     assert len(requests_for(server, WRITER)) == WRITER_REQUESTS
@@ -424,3 +428,173 @@ def test_an_agent_naming_a_missing_workflow_exits_2_naming_it_before_anything_ru
     assert server.requests == []
     assert not (workdir / "kernel.db").exists()  # failed before the first tick
     assert not (workdir / "state").exists()
+
+
+# --- a killed scheduler's dispatches -----------------------------------------------------------
+
+DEAD_WORKER = "host:4242:dead"
+
+
+def leave_writer_leased(lease_seconds: float) -> Dispatch:
+    """A writer dispatch claimed by a scheduler that was then killed: it stays running under
+    that worker's lease. The prompt is the writer's, so a reclaim runs it like a writer."""
+    queue = open_queue("kernel.db")  # the config's store, in the working directory
+    try:
+        queue.enqueue(KERNEL, "writer", f"{WRITER} (before the crash)", 0, "before-the-crash")
+        leased = queue.claim(KERNEL, DEAD_WORKER, lease_seconds, 3)
+    finally:
+        queue.close()
+    assert leased is not None
+    assert leased.lease_expires_at is not None
+    return leased
+
+
+def test_once_names_the_agent_a_dead_workers_live_lease_blocks_and_until_when(
+    workdir: Path, server: FakeOpenAIServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leased = leave_writer_leased(1800)
+    server.enqueue(*[model(breaker_fails=False)] * BREAKER_REQUESTS)
+
+    result = schedule_once(capsys, server)
+
+    assert result.code == 0, result.err
+    assert summary(result.out) == (1, 1, 0, 2)  # only the breaker ran
+    assert leased.lease_expires_at is not None
+    expiry = re.escape(leased.lease_expires_at.isoformat(timespec="seconds"))
+    line = (
+        rf"^skipped writer: running: dispatch {leased.dispatch_id} is held by worker "
+        rf"{DEAD_WORKER}, lease expires at {expiry} \(in (29m \d+s|30m 0s)\); if that worker "
+        r"is dead, the dispatch is reclaimed then$"
+    )
+    assert re.search(line, result.err, re.M), result.err
+    assert re.search(r"^skipped off: disabled", result.err, re.M)
+    server.assert_complete()
+
+
+def test_once_json_lists_the_leased_dispatch_with_its_worker_and_lease_expiry(
+    workdir: Path, server: FakeOpenAIServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leased = leave_writer_leased(1800)
+    server.enqueue(*[model(breaker_fails=False)] * BREAKER_REQUESTS)
+
+    result = schedule_once(capsys, server, "--json")
+
+    assert result.code == 0, result.err
+    cycle = json.loads(result.out)
+    assert leased.lease_expires_at is not None
+    assert cycle["skipped_agents"] == [
+        {
+            "agent_id": "writer",
+            "reason": "running",
+            "dispatch_id": leased.dispatch_id,
+            "worker_id": DEAD_WORKER,
+            "lease_expires_at": leased.lease_expires_at.isoformat(),
+        },
+        {"agent_id": "off", "reason": "disabled", "dispatch_id": None},
+    ]
+    assert "skipped" not in result.err  # the JSON says it all
+
+
+def test_once_reclaims_a_dead_workers_dispatch_once_its_lease_expired(
+    workdir: Path, server: FakeOpenAIServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leased = leave_writer_leased(0.01)
+    time.sleep(0.05)  # the lease runs out
+    script(server, breaker_fails=False)
+
+    result = schedule_once(capsys, server)
+
+    assert result.code == 0, result.err
+    assert summary(result.out) == (1, 2, 0, 2)  # the breaker's new one and the reclaimed one
+    assert leased.lease_expires_at is not None
+    expiry = re.escape(leased.lease_expires_at.isoformat(timespec="seconds"))
+    line = (
+        rf"^skipped writer: running: dispatch {leased.dispatch_id} of worker {DEAD_WORKER}, "
+        rf"whose lease expired at {expiry}; any worker may reclaim it now$"
+    )
+    assert re.search(line, result.err, re.M), result.err
+    rows = {r["dispatch_id"]: r for r in dispatch_rows(capsys)}
+    assert (rows[leased.dispatch_id]["status"], rows[leased.dispatch_id]["attempts"]) == ("done", 2)
+    server.assert_complete()
+
+
+# --- workflows with their own Python code ------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_guard"
+TICKET_CONFIG = """\
+kernel_id: tickets
+schedule: "*/10 * * * *"
+state_dir: state
+store: kernel.db
+agents:
+  - agent_id: support
+    workflow: {workflow}
+    prompt: "Was ticket OPS-7 about the printer fixed? {{STATE}}"
+"""
+
+
+@pytest.fixture
+def fresh_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ticket_agent not imported yet (another test may have), and sys.path restored after the
+    scheduler put workflow folders on it."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "ticket_agent" or m.startswith("ticket_agent.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError):
+        importlib.import_module("ticket_agent")
+
+
+def ticket_config(workdir: Path, workflow: Path) -> str:
+    (workdir / "tickets.yaml").write_text(TICKET_CONFIG.format(workflow=workflow), "utf-8")
+    return "tickets.yaml"
+
+
+def test_a_workflow_with_its_own_python_code_runs_as_a_dispatch(
+    workdir: Path,
+    server: FakeOpenAIServer,
+    capsys: pytest.CaptureFixture[str],
+    fresh_imports: None,
+) -> None:
+    config = ticket_config(workdir, EXAMPLE / "workflow.yaml")
+    server.enqueue(
+        text_reply("OPS-7"),  # triage; the example's own guard routes to its own action
+        tool_reply(call("lookup_ticket", {"ticket_id": "OPS-7"})),  # the example's own tool
+        text_reply("OPS-7 is closed."),
+    )
+
+    result = cli(capsys, "schedule", config, "--once", "--base-url", server.base_url)
+
+    assert result.code == 0, result.err
+    assert summary(result.out) == (1, 1, 0, 0)
+    assert re.search(r"^\s+done\s+support\s+run \S+ final_answer$", result.out, re.M)
+    assert "WARNING" not in result.err
+    lookup = server.requests[2]["messages"][-1]
+    assert lookup["role"] == "tool"
+    assert '"status": "closed"' in lookup["content"]
+    server.assert_complete()
+
+
+def test_a_dispatch_whose_workflow_cannot_load_fails_with_one_warning_line(
+    workdir: Path,
+    server: FakeOpenAIServer,
+    capsys: pytest.CaptureFixture[str],
+    fresh_imports: None,
+) -> None:
+    orphan = workdir / "orphan" / "workflow.yaml"  # the example without its ticket_agent
+    orphan.parent.mkdir()
+    shutil.copy(EXAMPLE / "workflow.yaml", orphan)
+    config = ticket_config(workdir, orphan)
+
+    quiet = cli(capsys, "schedule", config, "--once", "--base-url", server.base_url)
+    verbose = cli(capsys, "schedule", config, "--once", "--base-url", server.base_url, "-v")
+
+    assert quiet.code == 1
+    assert summary(quiet.out) == (1, 0, 1, 0)
+    assert re.search(r"^\s+failed\s+support\s+run -\s+— WorkflowValidationError: ", quiet.out, re.M)
+    warnings = [line for line in quiet.err.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, quiet.err
+    assert "(support) failed: WorkflowValidationError:" in warnings[0]
+    assert "cannot import module 'ticket_agent'" in warnings[0]
+    assert "Traceback" not in quiet.err
+    assert "Traceback" in verbose.err  # at DEBUG, for -v
+    assert server.requests == []

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError
+from fsm_kernel.errors import (
+    ResumeError,
+    RunLockedError,
+    RunNotFoundError,
+    StoreConflictError,
+    StoreError,
+)
 from fsm_kernel.protocol import Event, EventStore, EventType
 from fsm_kernel.store import (
     AnyEventStore,
@@ -499,3 +505,57 @@ def test_export_of_an_unknown_run(store: AnyEventStore, tmp_path: Path) -> None:
 def test_list_runs_rejects_a_negative_limit(store: AnyEventStore) -> None:
     with pytest.raises(ValueError, match="limit"):
         store.list_runs(limit=-1)
+
+
+# --- run locks ---------------------------------------------------------------------------------
+
+
+def test_a_second_lock_of_the_same_run_is_refused_at_once(
+    store: AnyEventStore, backend: Backend
+) -> None:
+    with backend.open() as other, store.lock_run("0199-locked-run"):
+        with pytest.raises(RunLockedError, match="run 0199-locked-run is being run by") as info:
+            with store.lock_run("0199-locked-run"):
+                pytest.fail("the same store locked the run twice")
+        with pytest.raises(RunLockedError):
+            with other.lock_run("0199-locked-run"):
+                pytest.fail("a second store of this process locked the run")
+
+    assert isinstance(info.value, ResumeError)
+    assert info.value.run_id == "0199-locked-run"
+    assert "wait for it to end or stop it" in str(info.value)
+
+
+def test_locks_of_different_runs_do_not_block_each_other(
+    store: AnyEventStore, backend: Backend
+) -> None:
+    runs = [f"run-{n}" for n in range(5)]
+    with backend.open() as other, store.lock_run(runs[0]):
+        with other.lock_run(runs[1]), store.lock_run(runs[2]):
+            for run_id in runs[3:]:
+                with other.lock_run(run_id):
+                    pass
+
+
+def test_a_run_lock_is_released_when_the_block_ends(store: AnyEventStore, backend: Backend) -> None:
+    with store.lock_run("r"):
+        pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.lock_run("r"):
+            raise RuntimeError("boom")
+
+    with backend.open() as other, other.lock_run("r"):
+        with pytest.raises(RunLockedError):
+            with store.lock_run("r"):
+                pass
+    with store.lock_run("r"), store.lock_run("r2"):
+        pass
+
+
+def test_a_closed_store_does_not_lock(backend: Backend) -> None:
+    store = backend.open()
+    store.close()
+
+    with pytest.raises(StoreError, match="closed"):
+        with store.lock_run("r"):
+            pass

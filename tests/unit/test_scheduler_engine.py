@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,77 @@ def test_running_agent_not_redispatched(
     clock.advance(600)
     again = asyncio.run(scheduler(config, queue, runner, clock).run_cycle())
     assert again.dispatched == 2
+
+
+def test_a_dead_workers_leased_dispatch_is_reported_with_its_worker_and_lease(
+    tmp_path: Path, queue: SqliteDispatchQueue, clock: FakeClock
+) -> None:
+    config = make_config(tmp_path, ["busy", "free"])
+    queue.enqueue("k1", "busy", "old prompt", 0, "before-the-crash")
+    leased = queue.claim("k1", "host:4242:dead", 1800, 3)  # its scheduler was then killed
+    assert leased is not None
+    clock.advance(60)
+    runner = ScriptedRunner()
+
+    result = asyncio.run(scheduler(config, queue, runner, clock).run_cycle())
+
+    assert runner.agent_ids() == ["free"]  # the lease is live: nobody may take it yet
+    (skip,) = result.skipped_agents
+    assert (skip.agent_id, skip.reason, skip.dispatch_id) == ("busy", "running", leased.dispatch_id)
+    assert skip.worker_id == "host:4242:dead"
+    assert skip.lease_expires_at == clock.now() + timedelta(seconds=1800 - 60)
+    assert result.to_dict()["skipped_agents"] == [
+        {
+            "agent_id": "busy",
+            "reason": "running",
+            "dispatch_id": leased.dispatch_id,
+            "worker_id": "host:4242:dead",
+            "lease_expires_at": skip.lease_expires_at.isoformat(),
+        }
+    ]
+
+
+def test_an_expired_lease_is_reported_and_its_dispatch_reclaimed_by_the_cycle(
+    tmp_path: Path, queue: SqliteDispatchQueue, clock: FakeClock
+) -> None:
+    config = make_config(tmp_path, ["busy"])
+    queue.enqueue("k1", "busy", "old prompt", 0, "before-the-crash")
+    leased = queue.claim("k1", "host:4242:dead", 300, 3)
+    assert leased is not None
+    clock.advance(301)
+    runner = ScriptedRunner()
+
+    result = asyncio.run(scheduler(config, queue, runner, clock).run_cycle())
+
+    (skip,) = result.skipped_agents
+    assert (skip.reason, skip.worker_id) == ("running", "host:4242:dead")
+    assert skip.lease_expires_at == leased.lease_expires_at
+    assert leased.lease_expires_at is not None
+    assert leased.lease_expires_at < result.tick
+    assert runner.calls == [("busy", "old prompt")]  # the dead worker's dispatch, run again
+    (detail,) = result.details
+    assert (detail.dispatch_id, detail.attempt, detail.status) == (
+        leased.dispatch_id,
+        2,
+        ExecutionStatus.DONE,
+    )
+
+
+def test_a_pending_dispatch_is_reported_and_run_by_the_cycle(
+    tmp_path: Path, queue: SqliteDispatchQueue, clock: FakeClock
+) -> None:
+    config = make_config(tmp_path, ["queued"])
+    waiting = queue.enqueue("k1", "queued", "queued earlier", 0, "earlier")
+    assert waiting is not None
+    runner = ScriptedRunner()
+
+    result = asyncio.run(scheduler(config, queue, runner, clock).run_cycle())
+
+    assert [s.to_dict() for s in result.skipped_agents] == [
+        {"agent_id": "queued", "reason": "pending", "dispatch_id": waiting.dispatch_id}
+    ]
+    assert runner.calls == [("queued", "queued earlier")]
+    assert result.dispatched == 0
 
 
 def test_disabled_agent_is_skipped(
