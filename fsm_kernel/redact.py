@@ -22,8 +22,16 @@ import re
 import threading
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote
 
-__all__ = ["REDACTED", "redact", "redact_data", "register_secret", "registered_secrets"]
+__all__ = [
+    "REDACTED",
+    "redact",
+    "redact_data",
+    "register_secret",
+    "register_url_password",
+    "registered_secrets",
+]
 
 REDACTED = "[REDACTED]"
 
@@ -55,6 +63,20 @@ def register_secret(value: str | None) -> None:
         # Longest first, so a key that contains another registered key is replaced whole.
         _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
         _secret_pattern = re.compile("|".join(re.escape(s) for s in _secrets))
+
+
+def register_url_password(url: str) -> None:
+    """Register the password of a `scheme://user:password@host/...` URL, as written and
+    percent-decoded. The userinfo ends at the LAST `@`, as URL parsers read it, so a password
+    holding an unencoded `@` is registered whole."""
+    netloc = url.partition("://")[2].partition("/")[0]
+    userinfo, at, _host = netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return
+    password = userinfo.partition(":")[2]
+    # Parsers that split at the FIRST `@` quote the rest of the password as the host.
+    for secret in (password, unquote(password), *password.split("@")):
+        register_secret(secret)
 
 
 def registered_secrets() -> tuple[str, ...]:

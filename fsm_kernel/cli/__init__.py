@@ -45,7 +45,6 @@ class _Parser(argparse.ArgumentParser):
     the command name; errors are raised for main() to report (as JSON too, under --json)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("conflict_handler", "resolve")  # TEMP until schedule_cmd drops -v
         super().__init__(*args, **kwargs)
         # SUPPRESS: a flag given before the command is not reset by the subcommand's parser.
         self.add_argument(
@@ -148,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int, *, as_json: bool) -> int:
-    """Report a failure on stderr, and as one JSON object on stdout under --json."""
+    """Report a failure on one line of stderr, and as one JSON object on stdout under --json."""
+    message = " ".join(message.split())  # a driver's multi-line message stays one line
     print(f"error: {message}", file=sys.stderr)
     if as_json:
         print(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False))

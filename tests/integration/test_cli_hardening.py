@@ -19,7 +19,14 @@ import pytest
 
 from fsm_kernel.cli import main
 from fsm_kernel.store import SqliteEventStore
-from tests.fakes.openai_server import FakeOpenAIServer, call, text_reply, tool_reply
+from tests.fakes.openai_server import (
+    FakeOpenAIServer,
+    call,
+    hang,
+    http_error,
+    text_reply,
+    tool_reply,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "workflows" / "default.yaml"
@@ -198,7 +205,7 @@ def test_an_undecodable_workflow_path_is_a_usage_error(tmp_path: Path) -> None:
     assert outcome.json()["exit_code"] == 2
 
 
-# --- where the prompt comes from -------------------------------------------------------------------
+# --- where the prompt comes from ---------------------------------------------------------------
 
 
 def test_prompt_from_a_file_and_from_stdin(tmp_path: Path, server: FakeOpenAIServer) -> None:
@@ -281,7 +288,9 @@ def test_control_characters_from_model_and_tools_do_not_reach_the_terminal(
     human = cli(capsys, [*args, "--workspace", str(tmp_path)])
 
     for stream in (human.out, human.err):
-        assert "\x1b" not in stream and "\x07" not in stream and "\x9b" not in stream
+        assert "\x1b" not in stream
+        assert "\x07" not in stream
+        assert "\x9b" not in stream
     assert "\\u001b[31mred\\u001b[0m answer\\u009b" in human.out
 
 
@@ -292,7 +301,8 @@ def test_json_output_keeps_the_exact_text(
 
     outcome = cli(capsys, [*run_args(tmp_path / "r.db", "-p", "x", url=server.base_url), "--json"])
 
-    assert "\x1b" not in outcome.out and "\x9b" not in outcome.out
+    assert "\x1b" not in outcome.out
+    assert "\x9b" not in outcome.out
     assert outcome.json()["response"] == "\x1b[31mred\x1b[0m\x7f\x9b"
 
 
@@ -304,3 +314,91 @@ def test_diagram_imports_the_workflows_own_modules_like_run(tmp_path: Path) -> N
 
     assert outcome.code == 0, outcome.err
     assert "stateDiagram" in outcome.out
+
+
+# --- secrets -------------------------------------------------------------------------------------
+
+SK_KEY = "sk-cli-0123456789abcdefLEAKED"
+LOCAL_KEY = "local-key-0123456789LEAKED"
+
+
+@pytest.mark.parametrize("key", [SK_KEY, LOCAL_KEY], ids=["sk-key", "any-key"])
+@pytest.mark.parametrize("status", [401, 500])
+@pytest.mark.parametrize("suffix", [".db", ".jsonl"])
+def test_a_key_the_server_echoes_appears_on_no_way_out(
+    tmp_path: Path,
+    server: FakeOpenAIServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    status: int,
+    suffix: str,
+) -> None:
+    monkeypatch.setenv("FSM_KERNEL_API_KEY", key)
+    server.enqueue(*[http_error(status, echo_auth=True)] * 4)
+    store = tmp_path / f"runs{suffix}"
+    run = run_args(store, "-p", "hi", "--max-retries", "1", url=server.base_url)
+    exported = tmp_path / "export.jsonl"
+    drawn = tmp_path / "run.dot"
+
+    outputs = [cli(capsys, run), cli(capsys, ["-v", *run, "--json"])]
+    assert server.request_headers[0]["authorization"] == f"Bearer {key}"  # it was really sent
+    run_id = outputs[1].json()["run_id"]
+    outputs += [
+        cli(capsys, ["runs", "show", run_id, "--store", str(store)]),
+        cli(capsys, ["runs", "show", run_id, "--store", str(store), "--json"]),
+        cli(capsys, ["runs", "events", run_id, "--store", str(store), "--json"]),
+        cli(capsys, ["runs", "events", run_id, "--store", str(store)]),
+        cli(capsys, ["runs", "export", run_id, "--store", str(store), "-o", str(exported)]),
+        cli(capsys, ["diagram", "--run", run_id, "--store", str(store)]),
+        cli(capsys, ["diagram", "--run", run_id, "--store", str(store), "-o", str(drawn)]),
+    ]
+
+    assert outputs[1].json()["termination_reason"] == "agent_error"
+    assert "[REDACTED]" in outputs[1].json()["error"]  # the echo was there, and was redacted
+    for outcome in outputs:
+        assert key not in outcome.out + outcome.err
+    files = [p for p in tmp_path.iterdir() if p.is_file()]
+    assert exported in files
+    assert drawn in files
+    for path in files:
+        assert key.encode() not in path.read_bytes(), path.name
+
+
+# --- two processes on one run --------------------------------------------------------------------
+
+
+def test_a_second_resume_of_a_live_run_is_refused_at_once(
+    tmp_path: Path, server: FakeOpenAIServer
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(hang(30, text_reply("late")))
+    exe = Path(sys.executable).with_name("fsm-kernel")
+    first = subprocess.Popen(
+        [str(exe), *run_args(store, "-p", "hi", url=server.base_url)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        server.wait_for_requests(1)  # the run is live, waiting on its model call
+        with SqliteEventStore(store) as events:
+            run_id = events.list_runs()[0].run_id
+
+        refused = console("resume", run_id, "--store", str(store), "--json")
+
+        assert refused.code == 1
+        assert refused.json()["error"] == (
+            f"run {run_id} is being run by another process; wait for it to end or stop it"
+        )
+        assert refused.err.count("\n") == 1
+    finally:
+        first.kill()
+        first.wait()
+    server.enqueue(text_reply("Resumed."))
+
+    resumed = console(
+        "resume", run_id, "--store", str(store), "--base-url", server.base_url, "--json"
+    )
+
+    assert resumed.code == 0, resumed.err
+    assert resumed.json()["response"] == "Resumed."

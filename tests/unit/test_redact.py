@@ -1,0 +1,121 @@
+"""The redaction layer: registered secrets and credential-shaped tokens are replaced wherever
+they appear; everything else passes through untouched (the same object, no copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from fsm_kernel.redact import (
+    REDACTED,
+    _forget_secrets,
+    redact,
+    redact_data,
+    redact_lines,
+    register_secret,
+    register_url_password,
+    registered_secrets,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry() -> Iterator[None]:
+    _forget_secrets()
+    yield
+    _forget_secrets()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Authorization: Bearer abc.def-123_456", "Authorization: Bearer [REDACTED]"),
+        ("header bearer  0123456789 end", "header bearer  [REDACTED] end"),
+        ('{"authorization": "Basic dXNlcjpwYXNz"}', '{"authorization": "Basic [REDACTED]"}'),
+        ("authorization=rawtoken123", "authorization=[REDACTED]"),
+        ("key sk-proj-abcdefghijklmnop was rejected", "key sk-[REDACTED] was rejected"),
+        ("postgresql://bob:hunter22@db:5432/x", "postgresql://bob:[REDACTED]@db:5432/x"),
+        ("host=db password=hunter2 dbname=x", "host=db password=[REDACTED] dbname=x"),
+        ("password='two words' user=x", "password=[REDACTED] user=x"),
+    ],
+)
+def test_credential_shapes_are_redacted(text: str, expected: str) -> None:
+    assert redact(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "nothing secret here",
+        "sk-short",  # too short to be a key
+        "the bearer of bad news",  # 'news' is shorter than a token
+        "postgresql://db:5432/runs",  # no password
+        "https://example.com/a:b@c",  # no userinfo before the path
+    ],
+)
+def test_ordinary_text_is_left_alone(text: str) -> None:
+    assert redact(text) is text
+
+
+def test_a_registered_secret_is_redacted_whatever_its_shape() -> None:
+    register_secret("local-key-0123456789")
+
+    assert redact("echo: local-key-0123456789!") == f"echo: {REDACTED}!"
+
+
+def test_the_longest_registered_secret_wins() -> None:
+    register_secret("abcdef123")
+    register_secret("abcdef123456789")
+
+    assert redact("x abcdef123456789 y") == f"x {REDACTED} y"
+    assert redact("x abcdef123 y") == f"x {REDACTED} y"
+
+
+def test_short_or_empty_values_are_not_registered() -> None:
+    for value in (None, "", "abc", "12345"):
+        register_secret(value)
+    register_secret("123456")
+    register_secret("123456")  # twice: registered once
+
+    assert registered_secrets() == ("123456",)
+
+
+def test_url_passwords_are_registered_as_written_decoded_and_split_at_at_signs() -> None:
+    register_url_password("postgresql://fsm:p%40ss@word-hunter2@db:5432/runs")
+
+    assert set(registered_secrets()) == {
+        "p%40ss@word-hunter2",  # as written
+        "p@ss@word-hunter2",  # decoded
+        "p%40ss",  # the pieces between @ signs, when long enough to be worth hiding
+        "word-hunter2",
+    }
+    # A driver that split the URL at the first @ quotes the rest as a host name.
+    assert redact("cannot resolve host 'word-hunter2@db'") == f"cannot resolve host '{REDACTED}@db'"
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://db/runs", "postgresql://user@db/runs", "postgresql://u:@db/x"]
+)
+def test_urls_without_a_password_register_nothing(url: str) -> None:
+    register_url_password(url)
+
+    assert registered_secrets() == ()
+
+
+def test_redact_data_walks_json_like_values_and_copies_only_what_changes() -> None:
+    register_secret("s3cr3t-value")
+    clean = {"a": [1, "x"], "b": {"c": None}}
+    dirty = {"keep": clean, "list": ["s3cr3t-value", 2], "tuple": ("Bearer abcdefgh",)}
+
+    out = redact_data(dirty)
+
+    assert redact_data(clean) is clean
+    assert out == {"keep": clean, "list": [REDACTED, 2], "tuple": ("Bearer [REDACTED]",)}
+    assert out["keep"] is clean
+    assert dirty["list"] == ["s3cr3t-value", 2]  # the input is not changed
+
+
+def test_redact_lines() -> None:
+    register_secret("s3cr3t-value")
+
+    assert list(redact_lines(["a s3cr3t-value", "b"])) == [f"a {REDACTED}", "b"]
