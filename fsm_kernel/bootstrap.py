@@ -40,6 +40,7 @@ class RunOptions:
     api_key: str | None = None
     request_timeout: float | None = None
     max_retries: int | None = None
+    max_response_bytes: int | None = None
     max_iterations: int | None = None
     timeout_seconds: float | None = None
     system_prompt: str | None = None
@@ -94,6 +95,7 @@ def agent_settings(
             "api_key": options.api_key,
             "request_timeout": options.request_timeout,
             "max_retries": options.max_retries,
+            "max_response_bytes": options.max_response_bytes,
         }
     )
 

@@ -119,7 +119,10 @@ _WHERE_SET: Mapping[str, str] = {
     "connect_timeout": "AgentSettings.connect_timeout",
     "temperature": "agent.temperature in the workflow",
     "max_retries": "--max-retries, FSM_KERNEL_MAX_RETRIES or agent.max_retries in the workflow",
-    "max_response_bytes": "FSM_KERNEL_MAX_RESPONSE_BYTES",
+    "max_response_bytes": (
+        "--max-response-bytes, FSM_KERNEL_MAX_RESPONSE_BYTES or agent.max_response_bytes in the "
+        "workflow"
+    ),
 }
 """Where each checked setting comes from, so the error says what to fix."""
 

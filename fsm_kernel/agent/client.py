@@ -279,7 +279,7 @@ class HttpChatModel:
         return self._error(
             AgentResponseError,
             f"model server at {self._shown_url} sent more than {cap} bytes{detail}; raise "
-            "FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers",
+            "--max-response-bytes or FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers",
         )
 
     def _timed_out_message(self) -> str:

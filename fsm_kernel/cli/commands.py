@@ -63,6 +63,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="retries on connection errors, 429 and 5xx (default 3)",
     )
+    g.add_argument(
+        "--max-response-bytes",
+        type=count(1, 2**40),
+        metavar="N",
+        help="largest model response accepted (default 8 MiB)",
+    )
     g = p.add_argument_group("run")
     g.add_argument(
         "--max-iterations",
@@ -132,6 +138,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         base_url=args.base_url,
         request_timeout=args.request_timeout,
         max_retries=args.max_retries,
+        max_response_bytes=args.max_response_bytes,
         max_iterations=args.max_iterations,
         timeout_seconds=args.timeout_seconds,
         system_prompt=getattr(args, "system_prompt", None),

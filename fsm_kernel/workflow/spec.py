@@ -75,9 +75,17 @@ class AgentBlock(_Model):
 
     model: str | None = None
     base_url: str | None = None
-    temperature: float | None = None
-    request_timeout: float | None = Field(default=None, gt=0)
-    max_retries: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, allow_inf_nan=False)
+    request_timeout: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds for one model request, the whole answer included; 0 = none",
+    )
+    max_retries: int | None = Field(default=None, ge=0, le=100)
+    max_response_bytes: int | None = Field(
+        default=None, gt=0, description="Largest model response accepted, in bytes"
+    )
 
 
 class Limits(_Model):

@@ -471,7 +471,7 @@ def test_a_declared_length_over_the_cap_is_refused_before_reading(
     )
     assert str(err) == (
         f"model server at {server.base_url} sent more than 1000 bytes (Content-Length 100000); "
-        "raise FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
+        "raise --max-response-bytes or FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
     )
     assert len(server.requests) == 1  # not retried
     assert sleep.delays == []
@@ -482,7 +482,7 @@ def test_a_chunked_answer_over_the_cap_is_cut_while_streaming(server: FakeOpenAI
     err = expect(AgentResponseError, server.base_url, max_retries=3, max_response_bytes=1000)
     assert str(err) == (
         f"model server at {server.base_url} sent more than 1000 bytes; "
-        "raise FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
+        "raise --max-response-bytes or FSM_KERNEL_MAX_RESPONSE_BYTES to accept bigger answers"
     )
     assert len(server.requests) == 1
 

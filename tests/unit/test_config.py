@@ -21,7 +21,7 @@ from fsm_kernel.config import (
     default_store_location,
     package_data_dir,
 )
-from fsm_kernel.errors import ConfigError
+from fsm_kernel.errors import ConfigError, WorkflowValidationError
 from fsm_kernel.workflow.loader import load_workflow_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,8 @@ BAD_SETTINGS = [
     pytest.param(
         {"max_response_bytes": 0},
         "max response bytes must be a whole number of bytes > 0 (got 0) — check "
-        "FSM_KERNEL_MAX_RESPONSE_BYTES",
+        "--max-response-bytes, FSM_KERNEL_MAX_RESPONSE_BYTES or agent.max_response_bytes in the "
+        "workflow",
         id="max-response-bytes-zero",
     ),
     pytest.param({"max_response_bytes": -5}, "(got -5)", id="max-response-bytes-negative"),
@@ -233,11 +234,11 @@ def test_bad_values_from_env_and_flags_fail_when_layered(
         agent_settings(spec, options, environ)
 
 
-def test_a_nan_temperature_in_the_workflow_is_refused_when_layered() -> None:
-    spec = load_workflow_text(WITH_AGENT_BLOCK.replace("temperature: 0.2", "temperature: .nan"))
+def test_a_nan_temperature_in_the_workflow_is_refused_at_its_line() -> None:
+    text = WITH_AGENT_BLOCK.replace("temperature: 0.2", "temperature: .nan")
 
-    with pytest.raises(ConfigError, match=r"temperature must be a finite number \(got nan\)"):
-        agent_settings(spec, RunOptions(), {})
+    with pytest.raises(WorkflowValidationError, match=r"<string>:\d+:\d+: temperature: .*finite"):
+        load_workflow_text(text)
 
 
 def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
