@@ -41,9 +41,11 @@ KERNEL_REASONS: tuple[str, ...] = (
     "agent_error",
     "error",
     "no_progress",
+    "truncated",
 )
 """Reasons the kernel itself may end any run with, whatever the transitions say (no_progress:
-limits.max_transitions reached)."""
+limits.max_transitions reached; truncated: an edge ending with final_answer or done fired while
+the last model reply was cut off by its length limit)."""
 
 RENDER_FORMATS: tuple[str, ...] = ("svg", "png")
 
@@ -280,6 +282,8 @@ def _state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
         lines.append(f'prompt: "{_short(state.prompt, _HINT_MAX - 10)}"')
     if state.tools is not None:
         lines.append(_tools_hint(state.tools))
+    if not state.answer:
+        lines.append("answer: false")
     return lines
 
 
@@ -290,7 +294,7 @@ def _end_color(overlay: RunOverlay) -> str:
 def _run_summary(overlay: RunOverlay) -> str:
     """`run 0190ab12: done after 7 transitions` (or why and where the kernel stopped it)."""
     steps = f"{len(overlay.path)} transition{'s' if len(overlay.path) != 1 else ''}"
-    who = f"run {overlay.run_id[:8]}" if overlay.run_id else "run"
+    who = f"run {overlay.run_id}" if overlay.run_id else "run"  # a prefix is not unique
     if overlay.reason is None:
         return f"{who}: not terminated (in flight or killed) after {steps}, in {overlay.last_state}"
     if overlay.ended_by_kernel:
@@ -347,6 +351,14 @@ def _edge_groups(spec: WorkflowSpec) -> list[tuple[str, str, list[int]]]:
     return [(source, target, indexes) for (source, target), indexes in groups.items()]
 
 
+def _ended_here(spec: WorkflowSpec, overlay: RunOverlay, index: int) -> str:
+    """The mark on the edge that ended the run, with the run's reason when it is not the edge's
+    (the kernel turned a cut-off final_answer into truncated)."""
+    if overlay.reason == spec.transitions[index].reason:
+        return "■ ended here"
+    return f"■ ended here: {overlay.reason}"
+
+
 def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tuple[str, str]:
     """(text, colour) of one transition's line on its edge."""
     text = edge_label(spec, index)
@@ -357,7 +369,7 @@ def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tup
         return text, _DIM
     text = f"{text}  ×{count}".strip()
     if index == overlay.terminating:
-        return f"{text}  ■ ended here", _end_color(overlay)
+        return f"{text}  {_ended_here(spec, overlay, index)}", _end_color(overlay)
     return text, _TAKEN
 
 
@@ -536,7 +548,7 @@ def _mermaid_edges(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
         if overlay is not None and _fired(spec, overlay, index):
             label = f"{label} ×{_fired(spec, overlay, index)}".strip()
             if index == overlay.terminating:
-                label += " ■ ended here"
+                label += " " + _ended_here(spec, overlay, index)
         arrow = f"    {_mid(t.source)} --> {_mid(t.target)}"
         lines.append(f"{arrow} : {_mermaid_text(label)}" if label else arrow)
     lines += [f"    {_mid(sid)} --> [*]" for sid in spec.final_states()]

@@ -31,6 +31,7 @@ __all__ = [
     "GuardFn",
     "RefError",
     "in_thread",
+    "is_truncated",
     "resolve_action",
     "resolve_guard",
     "resolve_ref",
@@ -173,7 +174,7 @@ def apply_completion(ctx: RunContext, completion: Completion, offered: set[str])
         _refuse_malformed(ctx, completion, ctx.malformed_reason)
         return
     ctx.malformed_streak = 0
-    if not completion.message.tool_calls:
+    if not completion.message.tool_calls and ctx.state_spec.answer:
         ctx.answer = completion.message.content
 
 
@@ -283,6 +284,14 @@ def critique_passed(ctx: RunContext) -> bool:
     return bool(words) and words[0].strip(".:!,*").upper() in {"PASS", "PASSED", "APPROVED"}
 
 
+def is_truncated(ctx: RunContext) -> bool:
+    """The last reply is text cut off by the model's length limit (finish_reason "length",
+    no tool calls). A cut-off tool call is malformed output instead (its arguments are not JSON).
+    """
+    c = ctx.last_completion
+    return c is not None and c.finish_reason == "length" and not c.message.tool_calls
+
+
 BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "has_tool_calls": has_tool_calls,
     "has_answer": has_answer,
@@ -297,6 +306,7 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "tool_failures": lambda ctx: ctx.failure_streak >= ctx.limits.max_tool_failures,
     "tool_failed": lambda ctx: any(r.result.is_error for r in ctx.last_results),
     "critique_passed": critique_passed,
+    "truncated": is_truncated,
 }
 
 

@@ -96,7 +96,8 @@ class RunContext:
     done_answer: str | None = None
     fatal_error: str | None = None
     answer: str = ""
-    """The latest assistant text (the run's response)."""
+    """The run's response: the latest text reply of a state whose `answer:` is true (every
+    state by default; a plan or a critique is not the answer)."""
     usage: Usage = field(default_factory=Usage)
     summary: str = ""
     """A one-line state summary written by the evaluate step, kept in the iteration record."""

@@ -28,6 +28,9 @@ TERMINATION_REASONS: dict[str, str] = {
     "no_progress": "the same tool call with the same arguments repeated too often",
     "tool_failures": "too many tool failures in a row",
     "malformed_output": "too many malformed model replies in a row",
+    "truncated": (
+        "the model's reply was cut off by its length limit (max tokens or context window)"
+    ),
     "agent_error": "the model server failed after retries",
     "cancelled": "the run was cancelled (Ctrl-C)",
     "timeout": "the run's wall-clock timeout expired",
@@ -36,6 +39,8 @@ TERMINATION_REASONS: dict[str, str] = {
 """Every reason a run may end for, with what it means."""
 
 SUCCESS_REASONS = frozenset({"final_answer", "done"})
+"""The reasons a run succeeded for (exit code 0); a run about to end with one of them while the
+last model reply was cut off by the length limit ends `truncated` instead (the kernel's rule)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,15 @@ class StateSpec(_Model):
     )
     tools: NameList | None = Field(
         default=None, description="For agent actions: the tools offered here (default: all)"
+    )
+    answer: bool = Field(
+        default=True,
+        strict=True,  # only true/false: YAML 1.2 `no` is a string here, never False
+        description="For states whose action calls the model (agent.think): whether a text reply "
+        "here is the run's answer (its response). false for intermediate text such as a plan, "
+        "a thought or a critique, so a run cut short there still answers with the latest real "
+        "answer. Guards are unaffected (they read the last reply). Setting false on a state "
+        "whose action does not call the model is a validation error.",
     )
 
 

@@ -1,8 +1,9 @@
 """Semantic checks of a parsed workflow, each error with the file:line:col of the culprit.
 
 Structure (states, targets, reachability, final states), names (reserved by
-python-statemachine, clashing with the machine's one event), and references (actions, guards,
-termination reasons). Tool names are checked by the kernel, which owns the registry.
+python-statemachine, clashing with the machine's one event), references (actions, guards,
+termination reasons), and `answer: false` only where the action calls the model. Tool names
+are checked by the kernel, which owns the registry.
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def _check_refs(spec: WorkflowSpec) -> None:
                     resolve_guard(name)
                 except RefError as exc:
                     raise _fail(spec, exc.message, "transitions", i, key, j) from None
+
+
+def _check_answer_flags(spec: WorkflowSpec) -> None:
+    """`answer: false` only means something where the action calls the model (actions resolve)."""
+    for sid, state in spec.states.items():
+        if state.answer or (state.action and resolve_action(state.action).calls_model):
+            continue
+        raise _fail(
+            spec,
+            f"'answer: false' does nothing on state {sid!r}: only a state whose action calls "
+            "the model (agent.think) replies with an answer",
+            "states",
+            sid,
+            "answer",
+        )
 
 
 def _check_transitions(spec: WorkflowSpec) -> None:
@@ -174,5 +190,6 @@ def validate_workflow(spec: WorkflowSpec) -> None:
     _check_names(spec)
     _check_transitions(spec)
     _check_refs(spec)
+    _check_answer_flags(spec)
     _check_fallbacks(spec)
     _check_graph(spec)

@@ -295,7 +295,7 @@ def test_dot_overlay_counts_bold_taken_and_dims_the_rest(default: WorkflowSpec) 
     assert 'COLOR="#b8c2cc">2. [fatal_tool_error]' in ending  # the untaken rows are grey
     (untaken,) = edge_lines(dot, "think", "terminate")
     assert 'color="#b8c2cc"' in untaken
-    assert "run 0190aaaa: done after 9 transitions" in dot
+    assert "run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000: done after 9 transitions" in dot
     assert dot == to_dot(default, overlay=RunOverlay.from_events(events))
 
 
@@ -325,7 +325,32 @@ def test_kernel_ended_run_is_shown_where_it_stopped(default: WorkflowSpec) -> No
     assert "■ ended here" not in "".join(edge_lines(dot, "evaluate", "terminate"))
     mermaid = to_mermaid(default, overlay=overlay)
     assert "    class think ended" in mermaid
-    assert "note right of think : run 0190aaaa — ended by the kernel in think" in mermaid
+    assert (
+        "note right of think : run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000 — ended by the kernel in "
+        "think" in mermaid
+    )
+
+
+def test_a_cut_off_final_answer_shows_truncated_on_its_edge(default: WorkflowSpec) -> None:
+    # The final_answer edge fired, but the kernel ended the run `truncated` (a cut-off reply).
+    events = EventLog(default).take(0, 4).end("truncated", error="cut off by the length limit")
+    overlay = RunOverlay.from_events(events)
+    assert overlay.terminating == 4
+    dot = to_dot(default, overlay=overlay)
+    (ending,) = edge_lines(dot, "think", "terminate")
+    assert "[else] → final_answer  ×1  ■ ended here: truncated" in ending
+    assert 'color="#c0392b"' in ending
+    assert "run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000: truncated after 2 transitions" in dot
+    mermaid = to_mermaid(default, overlay=overlay)
+    assert "→ final_answer ×1 ■ ended here — truncated" in mermaid
+
+
+def test_a_state_that_is_not_the_answer_says_so() -> None:
+    spec = load_workflow(REPO / "workflows" / "reflect.yaml")
+    dot = to_dot(spec)
+    assert "answer: false" in node_line(dot, "critique")
+    assert "answer: false" not in node_line(dot, "revise")
+    assert "    critique : answer — false" in to_mermaid(spec)
 
 
 def test_overlay_shows_the_error_of_a_failed_run(default: WorkflowSpec) -> None:

@@ -625,6 +625,28 @@ def test_a_registered_tool_outside_the_offer_is_malformed(tmp_path: Path) -> Non
     assert result.tool_calls[0].result.error_type == "MalformedOutput"
 
 
+# --- cut-off answers --------------------------------------------------------------------------
+
+
+def test_a_cut_off_answer_ends_the_run_truncated(tmp_path: Path) -> None:
+    cut = Completion(message=Message.assistant("It is twelve o'cl"), finish_reason="length")
+    model = ScriptedModel([calls(tool_call("datetime")), cut])
+
+    result = run(make_kernel(model, tmp_path))
+
+    assert result.termination_reason == "truncated"
+    assert not result.ok
+    assert result.response == "It is twelve o'cl"
+    assert result.error is not None
+    assert "cut off by the model's length limit" in result.error
+    assert result.iterations == 2
+    finish = [
+        e.data["completion"]["finish_reason"] for e in events_of(result, EventType.MODEL_RESPONDED)
+    ]
+    assert finish == ["tool_calls", "length"]
+    assert_log_shape(result)
+
+
 # --- failures around the loop -----------------------------------------------------------------
 
 
@@ -751,6 +773,7 @@ def test_every_termination_reason_is_covered_here() -> None:
         "cancelled",
         "timeout",
         "error",
+        "truncated",
     }
     assert set(TERMINATION_REASONS) == covered
 
