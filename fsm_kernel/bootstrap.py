@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,13 @@ from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
-__all__ = ["RunOptions", "build_kernel", "list_stock_workflows", "resolve_workflow"]
+__all__ = [
+    "RunOptions",
+    "build_kernel",
+    "list_stock_workflows",
+    "recorded_options",
+    "resolve_workflow",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +52,43 @@ class RunOptions:
     system_prompt: str | None = None
     memory: str | None = None
     workspace: str | None = None
+    full_system_prompt: str | None = None
+    """The complete system prompt, memory included (a recorded run's): used as it is."""
+    limits: Mapping[str, Any] | None = None
+    """A complete `limits:` block replacing the workflow's (a recorded run's); the
+    max_iterations and timeout_seconds options still apply on top."""
     extra_tools: list[Any] = field(default_factory=list)
     """Extra tool functions to register and offer (the scheduler's state tools)."""
+
+    def given(self) -> dict[str, Any]:
+        """The options that were set (not None), by name: what overrides a recorded run."""
+        skip = {"extra_tools", "limits", "full_system_prompt"}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in skip and getattr(self, f.name) is not None
+        }
+
+    def over(self, base: RunOptions) -> RunOptions:
+        """`base` with every option set here applied on top."""
+        return replace(base, **self.given())
+
+
+RECORDED_SETTINGS = ("model", "base_url", "request_timeout", "max_retries", "max_response_bytes")
+"""The agent settings `run.started` records (with `workspace`) that a resume takes back."""
+
+
+def recorded_options(config: Mapping[str, Any]) -> RunOptions:
+    """The options a recorded run ran with (see `RecordedRun.config`): its server, model,
+    timeouts, retries, workspace, system prompt and limits. Never a secret: the API key comes
+    from the environment, as for a new run."""
+    settings = config.get("settings") or {}
+    return RunOptions(
+        **{k: settings[k] for k in RECORDED_SETTINGS if settings.get(k) is not None},
+        workspace=settings.get("workspace"),
+        full_system_prompt=config.get("system_prompt"),
+        limits=config.get("limits"),
+    )
 
 
 def resolve_workflow(name_or_path: str | Path) -> Path:
@@ -160,16 +201,29 @@ def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:
     """The spec with the iteration cap / timeout overridden by options (validated)."""
     flags = {"max_iterations": "--max-iterations", "timeout_seconds": "--timeout"}
     updates = {k: getattr(options, k) for k in flags if getattr(options, k) is not None}
-    if not updates:
+    if not updates and options.limits is None:
         return spec
+    base = dict(options.limits) if options.limits is not None else spec.limits.model_dump()
     try:
-        limits = Limits.model_validate({**spec.limits.model_dump(), **updates})
+        limits = Limits.model_validate({**base, **updates})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"{flags[str(err['loc'][0])]}: {err['msg']}") from None
+        key = str(err["loc"][0])
+        raise ConfigError(f"{flags.get(key, f'limits.{key}')}: {err['msg']}") from None
     new = spec.model_copy(update={"limits": limits})
     new._path, new._content_hash, new._locations = spec.path, spec.content_hash, spec._locations
     return new
+
+
+def _system_prompt(spec: WorkflowSpec, options: RunOptions) -> str:
+    """The recorded prompt of a resumed run as it was; otherwise the workflow's (or
+    --system-prompt) with the memory files appended."""
+    if options.full_system_prompt is not None and options.system_prompt is None:
+        return options.full_system_prompt
+    base_prompt = options.system_prompt if options.system_prompt is not None else spec.system_prompt
+    memory = load_memory(_memory_dir(spec, options))
+    logger.debug("memory loaded: %s", [m.name for m in memory])
+    return build_system_prompt(base_prompt, memory)
 
 
 def build_kernel(
@@ -187,10 +241,7 @@ def build_kernel(
     spec = apply_limits(spec, options)
     settings = agent_settings(spec, options, environ)
     registry, offered = build_tools(spec, options)
-    base_prompt = options.system_prompt if options.system_prompt is not None else spec.system_prompt
-    memory = load_memory(_memory_dir(spec, options))
-    logger.debug("memory loaded: %s", [m.name for m in memory])
-    system_prompt = build_system_prompt(base_prompt, memory)
+    system_prompt = _system_prompt(spec, options)
     model = HttpChatModel(settings)
     kernel = Kernel(
         compile_workflow(spec),
@@ -198,7 +249,11 @@ def build_kernel(
         tools=registry,
         store=store,
         system_prompt=system_prompt,
-        settings={**settings.public_dict(), "tools": offered},
+        settings={
+            **settings.public_dict(),
+            "tools": offered,
+            "workspace": str(Path(options.workspace or ".").resolve()),
+        },
         tool_names=offered,
     )
     return kernel, model

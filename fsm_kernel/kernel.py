@@ -30,6 +30,7 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.session import InMemorySession
+from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.spec import SUCCESS_REASONS
@@ -37,6 +38,13 @@ from fsm_kernel.workflow.spec import SUCCESS_REASONS
 __all__ = ["Kernel", "RunResult", "current_run_id"]
 
 logger = logging.getLogger(__name__)
+
+TRUNCATED_ERROR = (
+    'the answer was cut off by the model\'s length limit (finish_reason "length"); raise the '
+    "server's max tokens or context window (Ollama num_predict/num_ctx, vLLM --max-model-len, "
+    "llama.cpp -n/-c)"
+)
+"""The error of a run that ended `truncated`: its response is the partial text."""
 
 current_run_id: ContextVar[str] = ContextVar("fsm_kernel_run_id", default="-")
 """The id of the run the current task works for: log handlers put it on every line."""
@@ -155,7 +163,7 @@ class Kernel:
         """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
         current_run_id.set(ctx.run_id)
         timeout = self.spec.limits.timeout_seconds or None
-        reason, error = "error", None
+        reason, error, resumable = "error", None, False
         try:
             async with asyncio.timeout(timeout):
                 reason = await self._loop(ctx, machine, recorder)
@@ -168,14 +176,14 @@ class Kernel:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-        except AgentError as exc:
-            reason, error = "agent_error", str(exc)
+        except AgentError as exc:  # unreachable or failing servers leave the run resumable
+            reason, error, resumable = "agent_error", str(exc), exc.retryable
         except FsmKernelError as exc:
             reason, error = "error", str(exc)
         except Exception as exc:  # an action or guard is buggy: report, never crash the caller
             logger.debug("action raised in state %s", machine.state, exc_info=True)
             reason, error = "error", _one_line(exc, machine.state)
-        return self._finish(ctx, recorder, reason, error)
+        return self._finish(ctx, recorder, reason, error, resumable=resumable)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -222,15 +230,25 @@ class Kernel:
         ctx.summary = ""
 
     def _finish(
-        self, ctx: RunContext, recorder: RunRecorder, reason: str, error: str | None
+        self,
+        ctx: RunContext,
+        recorder: RunRecorder,
+        reason: str,
+        error: str | None,
+        *,
+        resumable: bool = False,
     ) -> RunResult:
         if reason == "fatal_tool_error" and error is None:
             error = ctx.fatal_error
+        if reason in SUCCESS_REASONS and is_truncated(ctx):  # a cut-off answer is no success
+            reason, error = "truncated", TRUNCATED_ERROR
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {"reason": reason, "answer": response, "iterations": ctx.iteration}
         if error:
             data["error"] = error
+        if resumable:
+            data["resumable"] = True
         recorder.record(EventType.RUN_TERMINATED, data)
         logger.info("terminated: %s%s", reason, f" ({error})" if error else "")
         return RunResult(
@@ -268,6 +286,7 @@ class Kernel:
             "goal": prompt,
             "settings": self.settings,
             "limits": self.spec.limits.model_dump(),
+            "system_prompt": self.system_prompt,
         }
 
 

@@ -10,11 +10,11 @@ with the model's answers and the tools' outputs served from the event log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_kernel.errors import ReplayDivergenceError, ResumeError, RunNotFoundError
+from fsm_kernel.errors import AgentError, ReplayDivergenceError, ResumeError, RunNotFoundError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
     ChatModel,
@@ -43,13 +43,28 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_CONFIG_KEYS = ("settings", "limits", "system_prompt")
+"""What `run.started` records of how the run runs, and `run.resumed` may change."""
+_EXTERNAL_ENDINGS = frozenset({"timeout", "cancelled"})
+"""Endings decided by the clock or the user, not by the workflow: a replay (which takes no
+time) reproduces the steps recorded before them and reports the recorded ending."""
+
 
 class RecordedChatModel:
-    """Serves the recorded model answers in order; then the live model, if there is one."""
+    """Serves the recorded model answers in order; then the live model, if there is one, or
+    the recorded failure that ended the run (a replay of an `agent_error` run fails where the
+    run did)."""
 
-    def __init__(self, completions: Sequence[Completion], live: ChatModel | None = None) -> None:
+    def __init__(
+        self,
+        completions: Sequence[Completion],
+        live: ChatModel | None = None,
+        *,
+        failure: AgentError | None = None,
+    ) -> None:
         self._queue = list(completions)
         self.live = live
+        self.failure = failure
         self.served = 0
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
@@ -57,6 +72,8 @@ class RecordedChatModel:
             self.served += 1
             return self._queue.pop(0)
         if self.live is None:
+            if self.failure is not None:
+                raise self.failure
             raise ReplayDivergenceError(
                 "the workflow asked the model more often than the recorded run did"
             )
@@ -129,6 +146,8 @@ class RecordedRun:
                 run.results[e.data["call"]["id"]] = ToolResult.from_dict(e.data["result"])
             elif e.type == EventType.RUN_TERMINATED:
                 run.terminated = e
+            elif e.type == EventType.RUN_RESUMED:
+                run.terminated = None  # a resumable ending (agent_error) that a resume reopened
         run.unfinished = {cid: seq for cid, seq in started.items() if cid not in run.results}
         return run
 
@@ -136,19 +155,53 @@ class RecordedRun:
     def goal(self) -> str:
         return str(self.started.data.get("goal", ""))
 
+    @property
+    def resumable(self) -> bool:
+        """Killed (no ending), or ended by a model server that could not be reached or kept
+        failing: the run can go on from its last completed step."""
+        return self.terminated is None or bool(self.terminated.data.get("resumable"))
+
+    def config(self) -> dict[str, Any]:
+        """What the run last ran with: `run.started`'s settings (server, model, timeouts,
+        retries, workspace, tools), limits and system prompt, updated by each `run.resumed`."""
+        config = {k: self.started.data.get(k) for k in _CONFIG_KEYS}
+        for e in self.events:
+            if e.type == EventType.RUN_RESUMED:
+                config.update({k: e.data[k] for k in _CONFIG_KEYS if e.data.get(k) is not None})
+        return config
+
     def replayable_events(self) -> list[Event]:
-        """The events a re-drive reproduces (everything but the run's start/resume markers)."""
-        skip = {EventType.RUN_STARTED, EventType.RUN_RESUMED}
-        return [e for e in self.events if e.type not in skip]
+        """The events a re-drive reproduces: everything but the run's start/resume markers and
+        the endings a resume reopened (with the failed iteration that led to each)."""
+        out: list[Event] = []
+        for e in self.events:
+            if e.type in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
+                continue
+            if e.type == EventType.RUN_TERMINATED and e is not self.terminated:
+                if out and out[-1].type == EventType.ITERATION_COMPLETED:
+                    if out[-1].data.get("decision") == "failed":
+                        out.pop()
+                continue
+            out.append(e)
+        return out
 
     def transitions(self) -> list[Event]:
         return [e for e in self.events if e.type == EventType.TRANSITION_TAKEN]
 
 
 async def resume_run(
-    kernel: Kernel, store: EventStore, run_id: str, *, force: bool = False
+    kernel: Kernel,
+    store: EventStore,
+    run_id: str,
+    *,
+    force: bool = False,
+    overrides: Mapping[str, Any] | None = None,
 ) -> RunResult:
-    """Continue a run that did not terminate, from its last recorded step.
+    """Continue a run from its last recorded step: one that was killed, or one that ended
+    because the model server could not be reached or kept failing (a resumable `agent_error`).
+
+    Build `kernel` from the run's recorded settings (`RecordedRun.config`); `overrides` (what the
+    caller changed, e.g. the flags given to `fsm-kernel resume`) are recorded in `run.resumed`.
 
     Raises:
         RunNotFoundError: no such run.
@@ -156,16 +209,21 @@ async def resume_run(
         ResumeError: it already terminated, or its workflow file changed (unless `force`).
     """
     with store.lock_run(store.find_run(run_id)):  # before reading: two resumes cannot both start
-        return await _resume_locked(kernel, store, run_id, force=force)
+        return await _resume_locked(kernel, store, run_id, force=force, overrides=overrides or {})
 
 
 async def _resume_locked(
-    kernel: Kernel, store: EventStore, run_id: str, *, force: bool
+    kernel: Kernel, store: EventStore, run_id: str, *, force: bool, overrides: Mapping[str, Any]
 ) -> RunResult:
     run = RecordedRun.load(store, run_id)
-    if run.terminated is not None:
-        reason = run.terminated.data.get("reason")
-        raise ResumeError(f"run {run.run_id} already terminated ({reason})", run_id=run.run_id)
+    if not run.resumable:
+        reason = run.terminated.data.get("reason") if run.terminated else None
+        raise ResumeError(
+            f"run {run.run_id} already terminated ({reason}); only a killed run, or one that "
+            "ended because the model server could not be reached, can be resumed",
+            run_id=run.run_id,
+        )
+    reopened, run.terminated = run.terminated, None
     recorded_hash = run.started.data.get("workflow_hash")
     new_hash = kernel.spec.content_hash
     if recorded_hash != new_hash and not force:
@@ -183,6 +241,10 @@ async def _resume_locked(
         "workflow_hash": new_hash,
         "forced": recorded_hash != new_hash,
         "settings": kernel.settings,
+        "limits": kernel.spec.limits.model_dump(),
+        "system_prompt": kernel.system_prompt,
+        "overrides": dict(overrides),
+        "reopened": reopened.data.get("reason") if reopened is not None else None,
         "rerun_tool_calls": sorted(run.unfinished),
         "iteration": max((e.iteration for e in run.events), default=0),
     }
@@ -275,7 +337,7 @@ def _label(event: Event) -> str:
 async def replay_run(workflow: CompiledWorkflow, store: EventStore, run_id: str) -> ReplayReport:
     """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions."""
     run = RecordedRun.load(store, run_id)
-    model = RecordedChatModel(run.completions)
+    model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
     kernel = Kernel(
         workflow,
         model=model,
@@ -285,7 +347,9 @@ async def replay_run(workflow: CompiledWorkflow, store: EventStore, run_id: str)
     result = await kernel.run(run.goal, run_id=run.run_id)
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()
-    if run.terminated is None:  # a killed run: compare the part that was recorded
+    recorded_reason = run.terminated.data.get("reason") if run.terminated else None
+    external = recorded_reason is None or recorded_reason in _EXTERNAL_ENDINGS
+    if external:  # killed, timed out or cancelled: compare the part that was recorded
         replayed = replayed[: len(recorded)]
     steps = []
     for i in range(max(len(recorded), len(replayed))):
@@ -300,7 +364,19 @@ async def replay_run(workflow: CompiledWorkflow, store: EventStore, run_id: str)
                 replayed=_label(rep) if rep else None,
             )
         )
-    recorded_reason = run.terminated.data.get("reason") if run.terminated else None
     return ReplayReport(
-        run.run_id, steps, recorded_reason, result.termination_reason, model.served, result.error
+        run.run_id,
+        steps,
+        recorded_reason,
+        recorded_reason if external and recorded_reason else result.termination_reason,
+        model.served,
+        result.error,
     )
+
+
+def _recorded_failure(run: RecordedRun) -> AgentError | None:
+    """The model failure that ended the run, to fail the replay at the same call."""
+    ended = run.terminated
+    if ended is None or ended.data.get("reason") != "agent_error":
+        return None
+    return AgentError(str(ended.data.get("error") or "the model server failed"))

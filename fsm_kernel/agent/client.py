@@ -285,8 +285,8 @@ class HttpChatModel:
     def _timed_out_message(self) -> str:
         return (
             f"model server at {self._shown_url} timed out after "
-            f"{self._settings.request_timeout:g}s (set FSM_KERNEL_REQUEST_TIMEOUT to wait "
-            "longer)"
+            f"{self._settings.request_timeout:g}s (to wait longer, raise --request-timeout, "
+            "FSM_KERNEL_REQUEST_TIMEOUT or agent.request_timeout in the workflow)"
         )
 
     def _timeout_error(self, exc: httpx.TimeoutException) -> AgentTimeoutError:

@@ -43,12 +43,20 @@ def register(sub: Any) -> None:
     schedule_cmd.register(sub)
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The model/server flags shared by run and resume."""
-    g = p.add_argument_group("model server (flags > FSM_KERNEL_* env > workflow agent: block)")
-    g.add_argument("--model", help="model name (default qwen3)")
+def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> None:
+    """The model/server flags shared by run and resume (where each defaults to the value the
+    run recorded)."""
+    title = (
+        "model server (default: what the run recorded; a flag overrides it and is recorded)"
+        if resuming
+        else "model server (flags > FSM_KERNEL_* env > workflow agent: block)"
+    )
+    g = p.add_argument_group(title)
+    g.add_argument("--model", help="model name" + ("" if resuming else " (default qwen3)"))
     g.add_argument(
-        "--base-url", help="OpenAI-compatible base URL (default Ollama's http://localhost:11434/v1)"
+        "--base-url",
+        help="OpenAI-compatible base URL"
+        + ("" if resuming else " (default Ollama's http://localhost:11434/v1)"),
     )
     g.add_argument(
         "--request-timeout",
@@ -181,12 +189,14 @@ async def run_cancellable(coro: Any) -> RunResult:
     return result
 
 
-def execute(args: argparse.Namespace, start: Any) -> int:
-    """Build the kernel, run `start(kernel)` under Ctrl-C handling, print, exit code."""
+def execute(args: argparse.Namespace, start: Any, options: RunOptions | None = None) -> int:
+    """Build the kernel (from `options`, default the flags), run `start(kernel)` under Ctrl-C
+    handling, print, exit code."""
     spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
     store = open_event_store(args.store)
     try:
-        kernel, model = build_kernel(spec, options_from_args(args), store=store)
+        options = options or options_from_args(args)
+        kernel, model = build_kernel(spec, options, store=store)
         if not args.json:
             kernel.on_event = output.progress_printer(sys.stderr)
 

@@ -6,11 +6,14 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
 from fsm_kernel.protocol import Event, EventType
+
+if TYPE_CHECKING:
+    from fsm_kernel.replay import RecordedRun
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -58,9 +61,12 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "resume",
-        help="continue a run that did not finish (e.g. after a crash)",
-        description="Rebuild a run from its events and continue it live from the "
-        "last recorded step. Refused when the workflow file changed, unless --force.",
+        help="continue a run that was killed or lost its model server",
+        description="Rebuild a run from its events and continue it live from the last "
+        "recorded step, with the server, model, timeouts, workspace and limits the run "
+        "recorded (a flag given here overrides one and is recorded). A run that ended "
+        "agent_error because the server could not be reached or kept failing can be resumed "
+        "too. Refused when the workflow file changed, unless --force.",
     )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
@@ -69,7 +75,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="resume even though the workflow file changed (records the new hash)",
     )
-    add_model_flags(p)
+    add_model_flags(p, resuming=True)
     p.set_defaults(handler=cmd_resume)
 
     p = sub.add_parser(
@@ -120,7 +126,12 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
 
 def _audit(events: list[Event]) -> dict[str, Any]:
     started = events[0].data if events else {}
-    terminated = next((e for e in events if e.type == EventType.RUN_TERMINATED), None)
+    terminated: Event | None = None
+    for e in events:  # the last ending; one that a resume reopened does not count
+        if e.type == EventType.RUN_TERMINATED:
+            terminated = e
+        elif e.type == EventType.RUN_RESUMED:
+            terminated = None
     last = next((e for e in reversed(events) if e.type == EventType.TRANSITION_TAKEN), None)
     return {
         "workflow": started.get("workflow"),
@@ -131,6 +142,7 @@ def _audit(events: list[Event]) -> dict[str, Any]:
         "error": terminated.data.get("error") if terminated else None,
         "last_transition": last.data if last else None,
         "resumed": sum(1 for e in events if e.type == EventType.RUN_RESUMED),
+        "resumable": terminated is None or bool(terminated.data.get("resumable")),
         "events": len(events),
     }
 
@@ -166,6 +178,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print(f"  answer:          {cut(audit['answer'], 150)}")
     if audit["resumed"]:
         print(f"  resumed:         {audit['resumed']} time(s)")
+    if audit["resumable"]:
+        why = "it did not end" if audit["reason"] is None else "the model server failed"
+        print(f"  resumable:       yes ({why}): fsm-kernel resume {run_id}")
     return EXIT_OK
 
 
@@ -212,37 +227,48 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _recorded_workflow(store: Any, run_id: str, override: str | None) -> str:
+def _recorded_workflow(run: RecordedRun, override: str | None) -> str:
     from fsm_kernel.errors import ResumeError
 
     if override:
         return override
-    events = store.read(store.find_run(run_id))
-    path = events[0].data.get("workflow_path") if events else None
+    path = run.started.data.get("workflow_path")
     if not path:
-        raise ResumeError(f"run {run_id} recorded no workflow path; pass --workflow")
+        raise ResumeError(f"run {run.run_id} recorded no workflow path; pass --workflow")
     return str(path)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from fsm_kernel.bootstrap import recorded_options
     from fsm_kernel.cli import commands
-    from fsm_kernel.replay import resume_run
+    from fsm_kernel.replay import RecordedRun, resume_run
 
     with _open(args) as store:
-        args.workflow = _recorded_workflow(store, args.run_id, args.workflow)
+        run = RecordedRun.load(store, args.run_id)
+    args.workflow = _recorded_workflow(run, args.workflow)
+    flags = commands.options_from_args(args)
+    options = flags.over(recorded_options(run.config()))
     return commands.execute(
-        args, lambda kernel: resume_run(kernel, kernel.store, args.run_id, force=args.force)
+        args,
+        lambda kernel: resume_run(
+            kernel, kernel.store, run.run_id, force=args.force, overrides=flags.given()
+        ),
+        options,
     )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from fsm_kernel.bootstrap import apply_limits, recorded_options
     from fsm_kernel.cli.commands import load_spec
-    from fsm_kernel.replay import replay_run
+    from fsm_kernel.replay import RecordedRun, replay_run
     from fsm_kernel.workflow.compiler import compile_workflow
 
     with _open(args) as store:
-        spec = load_spec(_recorded_workflow(store, args.run_id, args.workflow))
-        report = asyncio.run(replay_run(compile_workflow(spec), store, args.run_id))
+        run = RecordedRun.load(store, args.run_id)
+        spec = load_spec(_recorded_workflow(run, args.workflow))
+        if args.workflow is None:  # reproduce the run: the limits it ran under, not the file's
+            spec = apply_limits(spec, recorded_options(run.config()))
+        report = asyncio.run(replay_run(compile_workflow(spec), store, run.run_id))
     if args.json:
         print(json.dumps(report.to_dict(), ensure_ascii=False))
         return EXIT_OK if report.identical else EXIT_FAIL

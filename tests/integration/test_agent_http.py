@@ -391,7 +391,8 @@ def test_a_response_that_never_comes_times_out(server: FakeOpenAIServer) -> None
     err = expect(AgentTimeoutError, server.base_url, request_timeout=0.2)
     assert str(err) == (
         f"model server at {server.base_url} timed out after 0.2s "
-        "(set FSM_KERNEL_REQUEST_TIMEOUT to wait longer)"
+        "(to wait longer, raise --request-timeout, FSM_KERNEL_REQUEST_TIMEOUT or "
+        "agent.request_timeout in the workflow)"
     )
     assert err.retryable
 
@@ -440,7 +441,8 @@ def test_a_trickling_answer_hits_the_deadline(server: FakeOpenAIServer) -> None:
     elapsed = time.monotonic() - started
     assert str(err) == (
         f"model server at {server.base_url} timed out after 1s "
-        "(set FSM_KERNEL_REQUEST_TIMEOUT to wait longer)"
+        "(to wait longer, raise --request-timeout, FSM_KERNEL_REQUEST_TIMEOUT or "
+        "agent.request_timeout in the workflow)"
     )
     assert elapsed < 5.0  # the whole body would take 10 s
     assert err.retryable

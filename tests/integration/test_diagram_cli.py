@@ -162,7 +162,7 @@ def test_run_overlay_from_sqlite_store(
     assert captured.err == ""
     assert "observe  ×2" in captured.out
     assert "1. [done_called] → done  ×1  ■ ended here" in captured.out
-    assert "run 0190f00d: done after 8 transitions" in captured.out
+    assert f"run {RUN_ID}: done after 8 transitions" in captured.out
     assert captured.out != to_dot(default)
 
 
