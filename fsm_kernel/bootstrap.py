@@ -127,7 +127,7 @@ def agent_settings(
     spec: WorkflowSpec, options: RunOptions, environ: Mapping[str, str] | None = None
 ) -> AgentSettings:
     """Defaults < workflow `agent:` block < environment < options."""
-    settings = AgentSettings().merged(spec.agent.model_dump())
+    settings = AgentSettings().merged(spec.agent.model_dump())  # tool_choice included
     settings = settings.merged(agent_settings_from_env(environ))
     return settings.merged(
         {
@@ -194,7 +194,29 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
                     f"state tool {name!r} is not in the workflow's tools",
                     location=spec.location("states", sid, "tools", j),
                 )
+    _check_tool_choices(spec, offered)
     return registry, offered
+
+
+def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:
+    """A `tool_choice:` names a keyword or a tool offered where it applies; `required` or a
+    tool's name where no tool is offered could never be honoured."""
+    places = [(("agent", "tool_choice"), spec.agent.tool_choice, offered)]
+    places += [
+        (("states", sid, "tool_choice"), s.tool_choice, offered if s.tools is None else s.tools)
+        for sid, s in spec.states.items()
+    ]
+    for where, choice, tools in places:
+        if choice is None or choice in ("auto", "none", "omit"):
+            continue
+        if choice == "required" and not tools:
+            message = "tool_choice 'required' where no tool is offered"
+        elif choice != "required" and choice not in tools:
+            shown = ", ".join(tools) or "none"
+            message = f"tool_choice {choice!r} is not a tool offered here (offered: {shown})"
+        else:
+            continue
+        raise WorkflowValidationError(message, location=spec.location(*where))
 
 
 def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:

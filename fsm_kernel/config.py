@@ -55,6 +55,8 @@ class AgentSettings:
     temperature: float | None = None
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     """The most bytes one answer may have; a bigger one is refused, not read whole."""
+    tool_choice: str = "auto"
+    """Sent with every request that offers tools (see protocol.TOOL_CHOICES)."""
 
     def __post_init__(self) -> None:
         _check_number(

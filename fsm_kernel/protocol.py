@@ -338,12 +338,23 @@ class RunSummary:
         }
 
 
+TOOL_CHOICES = ("auto", "none", "required", "omit")
+"""How a request lets the model use the tools it offers: `auto` (it decides; sent explicitly,
+since some servers, llama.cpp's among them, leave the tools out of the prompt without it),
+`none`, `required`, or `omit` (send no tool_choice, for servers that reject the field). Any
+other value names the one tool the model must call."""
+
+
 @runtime_checkable
 class ChatModel(Protocol):
     """Anything that answers a message list: the HTTP client, or a test double."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
-        """Ask the model. Raises AgentError when no usable answer could be had."""
+        """Ask the model. Raises AgentError when no usable answer could be had.
+
+        A state with its own `tool_choice:` calls `complete(messages, tools,
+        tool_choice=...)`: models used with such workflows accept that keyword (TOOL_CHOICES
+        or a tool's name); without it, the model's own default applies."""
         ...
 
 

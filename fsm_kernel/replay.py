@@ -67,7 +67,9 @@ class RecordedChatModel:
         self.failure = failure
         self.served = 0
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[Tool], **options: Any
+    ) -> Completion:
         if self._queue:
             self.served += 1
             return self._queue.pop(0)
@@ -77,7 +79,7 @@ class RecordedChatModel:
             raise ReplayDivergenceError(
                 "the workflow asked the model more often than the recorded run did"
             )
-        return await self.live.complete(messages, tools)
+        return await self.live.complete(messages, tools, **options)
 
 
 class RecordedToolExecutor:

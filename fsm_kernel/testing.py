@@ -179,6 +179,8 @@ class ModelRequest:
 
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...]
+    tool_choice: str | None = None
+    """The state's `tool_choice:`, when it set one."""
 
     @property
     def tool_names(self) -> list[str]:
@@ -223,8 +225,10 @@ class ScriptedChatModel:
         """Replies not used yet."""
         return len(self._script)
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
-        self.requests.append(ModelRequest(tuple(messages), tuple(tools)))
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[Tool], *, tool_choice: str | None = None
+    ) -> Completion:
+        self.requests.append(ModelRequest(tuple(messages), tuple(tools), tool_choice))
         if not self._script:
             self.failure = ScriptExhaustedError(self._exhausted_message())
             logger.warning("scripted model: %s", self.failure)
@@ -273,8 +277,10 @@ class FunctionChatModel:
         """The first AssertionError `fn` raised (a failed check inside the model function would
         otherwise only end the run as `error`; `WorkflowHarness.run` raises it again)."""
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
-        self.requests.append(ModelRequest(tuple(messages), tuple(tools)))
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[Tool], *, tool_choice: str | None = None
+    ) -> Completion:
+        self.requests.append(ModelRequest(tuple(messages), tuple(tools), tool_choice))
         try:
             result = self._fn(list(messages), list(tools))
             if inspect.isawaitable(result):

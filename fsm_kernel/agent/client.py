@@ -24,7 +24,12 @@ from typing import Any, TypeVar
 
 import httpx
 
-from fsm_kernel.agent.wire import completion_from_wire, messages_to_wire, tools_to_wire
+from fsm_kernel.agent.wire import (
+    completion_from_wire,
+    messages_to_wire,
+    tool_choice_to_wire,
+    tools_to_wire,
+)
 from fsm_kernel.config import AgentSettings
 from fsm_kernel.errors import (
     AgentAuthError,
@@ -155,13 +160,20 @@ class HttpChatModel:
         """Close the connection pool. Safe to call twice."""
         await self._client.aclose()
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
-        """Ask the model once, retrying transient failures.
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool],
+        *,
+        tool_choice: str | None = None,
+    ) -> Completion:
+        """Ask the model once, retrying transient failures. `tool_choice` (a state's) overrides
+        the settings' for this request.
 
         Raises:
             AgentError: the subclass says why no usable answer could be had.
         """
-        payload = self._payload(messages, tools)
+        payload = self._payload(messages, tools, tool_choice or self._settings.tool_choice)
         retries = max(self._settings.max_retries, 0)
         attempt = 0
         while True:
@@ -175,13 +187,17 @@ class HttpChatModel:
                 logger.warning("%s; retry %d of %d in %.2fs", exc.message, attempt, retries, delay)
                 await self._sleep(delay)
 
-    def _payload(self, messages: Sequence[Message], tools: Sequence[Tool]) -> dict[str, Any]:
+    def _payload(
+        self, messages: Sequence[Message], tools: Sequence[Tool], tool_choice: str
+    ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "model": self._settings.model,
             "messages": messages_to_wire(messages),
         }
         if tools:
             payload["tools"] = tools_to_wire(tools)
+            if tool_choice != "omit":
+                payload["tool_choice"] = tool_choice_to_wire(tool_choice)
         if self._settings.temperature is not None:
             payload["temperature"] = self._settings.temperature
         return payload

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsm_kernel.errors import AgentResponseError
-from fsm_kernel.protocol import Completion, Message, Role, Tool, ToolCall, Usage
+from fsm_kernel.protocol import TOOL_CHOICES, Completion, Message, Role, Tool, ToolCall, Usage
 
 __all__ = [
     "completion_from_wire",
@@ -21,6 +21,7 @@ __all__ = [
     "messages_from_wire",
     "messages_to_wire",
     "new_call_id",
+    "tool_choice_to_wire",
     "tools_to_wire",
 ]
 
@@ -97,6 +98,14 @@ def tools_to_wire(tools: Sequence[Tool]) -> list[dict[str, Any]]:
         }
         for t in tools
     ]
+
+
+def tool_choice_to_wire(choice: str) -> str | dict[str, Any]:
+    """The `tool_choice` of a request: a keyword as it is, a tool's name as the object that
+    forces that tool (`omit` is the caller's business: it sends no field at all)."""
+    if choice in TOOL_CHOICES:
+        return choice
+    return {"type": "function", "function": {"name": choice}}
 
 
 # --- wire -> protocol ---------------------------------------------------------------------------

@@ -154,7 +154,12 @@ async def agent_think(ctx: RunContext) -> None:
         {"messages": len(messages), "tools": [t.name for t in offered]},
     )
     started = ctx.clock.monotonic()
-    completion = await ctx.model.complete(messages, offered)
+    choice = ctx.state_spec.tool_choice
+    completion = await (  # only when the state sets one: a user's model need not know the keyword
+        ctx.model.complete(messages, offered, tool_choice=choice)  # type: ignore[call-arg]
+        if choice is not None
+        else ctx.model.complete(messages, offered)
+    )
     latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
     ctx.record(
         EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}

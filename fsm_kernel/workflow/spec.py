@@ -75,6 +75,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_TOOL_CHOICE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+_TOOL_CHOICE_HELP = (
+    "how the model may use the offered tools: auto (it decides), none, required, omit (send no "
+    "tool_choice, for servers that reject it), or the name of the one tool it must call."
+)
+
+
 class AgentBlock(_Model):
     """Model server settings; environment variables and flags override these."""
 
@@ -90,6 +97,11 @@ class AgentBlock(_Model):
     max_retries: int | None = Field(default=None, ge=0, le=100)
     max_response_bytes: int | None = Field(
         default=None, gt=0, description="Largest model response accepted, in bytes"
+    )
+    tool_choice: str | None = Field(
+        default=None,
+        pattern=_TOOL_CHOICE_PATTERN,
+        description=_TOOL_CHOICE_HELP + " Default auto.",
     )
 
 
@@ -131,6 +143,11 @@ class StateSpec(_Model):
     )
     tools: NameList | None = Field(
         default=None, description="For agent actions: the tools offered here (default: all)"
+    )
+    tool_choice: str | None = Field(
+        default=None,
+        pattern=_TOOL_CHOICE_PATTERN,
+        description="For agent actions: " + _TOOL_CHOICE_HELP + " Default: the agent's.",
     )
     answer: bool = Field(
         default=True,
