@@ -1,0 +1,78 @@
+"""Live output of a model call: text deltas and stream notices, passed from whichever model
+produces them to whoever watches the run, without either knowing the other.
+
+The kernel installs a sink for the run it drives (`deltas_to`); a model that streams calls
+`emit_text(...)` as tokens arrive and `emit_notice(...)` when something about the stream is worth
+recording (a fallback to a plain request). The sink lives in a context variable, so it follows
+the run's task into threads started with `asyncio.to_thread`, and models need no extra argument:
+a user's ChatModel that knows nothing of streaming keeps working.
+
+Deltas are streamed, never stored: the event log keeps the assembled message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "StreamNotice",
+    "StreamSink",
+    "TextDelta",
+    "deltas_to",
+    "emit_notice",
+    "emit_text",
+    "is_watched",
+]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of the model's answer text, as it arrived."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class StreamNotice:
+    """Something about the stream that the run's log should record (e.g. a fallback)."""
+
+    kind: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+StreamSink = Callable[[TextDelta | StreamNotice], None]
+
+_sink: ContextVar[StreamSink | None] = ContextVar("fsm_kernel_stream_sink", default=None)
+
+
+@contextmanager
+def deltas_to(sink: StreamSink | None) -> Iterator[None]:
+    """Send what models emit in this context (and the tasks and threads it starts) to `sink`."""
+    token = _sink.set(sink)
+    try:
+        yield
+    finally:
+        _sink.reset(token)
+
+
+def is_watched() -> bool:
+    """Whether anyone receives deltas here (a model may skip work nobody sees)."""
+    return _sink.get() is not None
+
+
+def emit_text(text: str) -> None:
+    """Hand a piece of answer text to the watcher, if any."""
+    sink = _sink.get()
+    if sink is not None and text:
+        sink(TextDelta(text))
+
+
+def emit_notice(kind: str, **detail: Any) -> None:
+    """Hand a notice to the watcher, if any (the kernel records it in the run's log)."""
+    sink = _sink.get()
+    if sink is not None:
+        sink(StreamNotice(kind, dict(detail)))
