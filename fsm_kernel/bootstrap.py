@@ -219,12 +219,13 @@ def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:
         raise WorkflowValidationError(message, location=spec.location(*where))
 
 
-def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:
-    """The spec with the iteration cap / timeout overridden by options (validated)."""
+def run_limits(spec: WorkflowSpec, options: RunOptions) -> Limits:
+    """The limits a run gets: the workflow's (or a recorded run's, `options.limits`) with the
+    iteration cap / timeout overridden by options (validated)."""
     flags = {"max_iterations": "--max-iterations", "timeout_seconds": "--timeout"}
     updates = {k: getattr(options, k) for k in flags if getattr(options, k) is not None}
     if not updates and options.limits is None:
-        return spec
+        return spec.limits
     base = dict(options.limits) if options.limits is not None else spec.limits.model_dump()
     try:
         limits = Limits.model_validate({**base, **updates})
@@ -232,9 +233,7 @@ def apply_limits(spec: WorkflowSpec, options: RunOptions) -> WorkflowSpec:
         err = exc.errors()[0]
         key = str(err["loc"][0])
         raise ConfigError(f"{flags.get(key, f'limits.{key}')}: {err['msg']}") from None
-    new = spec.model_copy(update={"limits": limits})
-    new._path, new._content_hash, new._locations = spec.path, spec.content_hash, spec._locations
-    return new
+    return limits
 
 
 def _system_prompt(spec: WorkflowSpec, options: RunOptions) -> str:
@@ -260,7 +259,7 @@ def build_kernel(
     The returned HttpChatModel must be closed (`await model.aclose()`) after the run.
     """
     options = options or RunOptions()
-    spec = apply_limits(spec, options)
+    limits = run_limits(spec, options)
     settings = agent_settings(spec, options, environ)
     registry, offered = build_tools(spec, options)
     system_prompt = _system_prompt(spec, options)
@@ -277,5 +276,6 @@ def build_kernel(
             "workspace": str(Path(options.workspace or ".").resolve()),
         },
         tool_names=offered,
+        limits=limits,
     )
     return kernel, model

@@ -30,12 +30,13 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.session import InMemorySession
+from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
-from fsm_kernel.workflow.context import RunContext, ToolCallRecord
-from fsm_kernel.workflow.spec import SUCCESS_REASONS
+from fsm_kernel.workflow.context import RunContext, RunServices, ToolCallRecord
+from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason
 
-__all__ = ["Kernel", "RunResult", "current_run_id"]
+__all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ TRUNCATED_ERROR = (
     "llama.cpp -n/-c)"
 )
 """The error of a run that ended `truncated`: its response is the partial text."""
+
+Watcher = Callable[[Event | TextDelta], None]
+"""Sees a run as it happens: each Event once recorded, and the model's text as it streams."""
 
 current_run_id: ContextVar[str] = ContextVar("fsm_kernel_run_id", default="-")
 """The id of the run the current task works for: log handlers put it on every line."""
@@ -56,7 +60,7 @@ class RunResult:
 
     run_id: str
     workflow: str
-    termination_reason: str
+    termination_reason: TerminationReason
     response: str
     iterations: int
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -73,7 +77,7 @@ class RunResult:
         d: dict[str, Any] = {
             "run_id": self.run_id,
             "workflow": self.workflow,
-            "termination_reason": self.termination_reason,
+            "termination_reason": self.termination_reason.value,
             "response": self.response,
             "iterations": self.iterations,
             "tool_calls": [r.to_dict() for r in self.tool_calls],
@@ -87,7 +91,7 @@ class RunResult:
 class _Stop(Exception):
     """The kernel itself ends the run (a limit in code, not a transition)."""
 
-    def __init__(self, reason: str, error: str | None = None) -> None:
+    def __init__(self, reason: TerminationReason, error: str | None = None) -> None:
         super().__init__(reason)
         self.reason, self.error = reason, error
 
@@ -105,12 +109,22 @@ class Kernel:
         system_prompt: str = "",
         clock: Clock | None = None,
         settings: dict[str, Any] | None = None,
-        on_event: Callable[[Event], None] | None = None,
+        on_event: Watcher | None = None,
         tool_names: Sequence[str] | None = None,
+        limits: Limits | None = None,
     ) -> None:
+        """Args:
+        workflow: the compiled workflow (compiled once per content; limits are not part of it).
+        model, tools: the default collaborators of a run (a run may be given its own).
+        store: where events are appended; None keeps them in the RunResult only.
+        on_event: watches every run: each Event as it is recorded, and the model's TextDelta
+            pieces as they stream (deltas are never stored).
+        limits: the runs' limits; default the workflow's `limits:`.
+        """
         self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tools)
         self.workflow = workflow
         self.spec = workflow.spec
+        self.limits = limits or workflow.spec.limits
         self.model = model
         self.tools = tools
         self.store = store
@@ -121,13 +135,25 @@ class Kernel:
 
     # -- public API ----------------------------------------------------------------------
 
-    async def run(self, prompt: str, *, run_id: str | None = None) -> RunResult:
-        """Run the workflow on `prompt` until it terminates; never raises for run failures."""
+    async def run(
+        self,
+        prompt: str,
+        *,
+        run_id: str | None = None,
+        model: ChatModel | None = None,
+        tools: ToolExecutor | None = None,
+        watch: Watcher | None = None,
+    ) -> RunResult:
+        """Run the workflow on `prompt` until it terminates; never raises for run failures.
+
+        `model` and `tools` replace the kernel's for this run only; `watch` sees this run's
+        events and text deltas (besides `on_event`). Runs on one Kernel may go concurrently.
+        """
         run_id = run_id or new_id()
         with self.lock(run_id):
-            recorder = self._recorder(run_id)
+            recorder = self.recorder(run_id, watch=watch)
             recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
-            ctx = self.new_context(run_id, prompt, recorder)
+            ctx = self.new_context(run_id, prompt, recorder, model=model, tools=tools)
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
             recorder.record(EventType.STATE_ENTERED, {})
@@ -142,19 +168,31 @@ class Kernel:
         """`run` for code without an event loop."""
         return asyncio.run(self.run(prompt, run_id=run_id))
 
-    def new_context(self, run_id: str, prompt: str, recorder: RunRecorder) -> RunContext:
-        """A fresh context whose session holds the user's prompt."""
+    def new_context(
+        self,
+        run_id: str,
+        prompt: str,
+        recorder: RunRecorder,
+        *,
+        model: ChatModel | None = None,
+        tools: ToolExecutor | None = None,
+    ) -> RunContext:
+        """A fresh context whose session holds the user's prompt, with this run's collaborators
+        (the kernel's unless given)."""
+        services = RunServices(
+            model=model or self.model,
+            tools=tools or self.tools,
+            clock=self.clock,
+            record=recorder.record,
+        )
         ctx = RunContext(
             run_id=run_id,
             goal=prompt,
             system_prompt=self.system_prompt,
-            limits=self.spec.limits,
+            limits=self.limits,
             tool_names=self.tool_names,
-            model=self.model,
-            tools=self.tools,
+            services=services,
             session=InMemorySession(),
-            clock=self.clock,
-            record=recorder.record,
         )
         ctx.session.add(Message.user(prompt))
         return ctx
@@ -162,33 +200,36 @@ class Kernel:
     async def drive(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> RunResult:
         """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
         current_run_id.set(ctx.run_id)
-        timeout = self.spec.limits.timeout_seconds or None
-        reason, error, resumable = "error", None, False
+        timeout = self.limits.timeout_seconds or None
+        reason, error, resumable = TerminationReason.ERROR, None, False
         try:
             async with asyncio.timeout(timeout):
-                reason = await self._loop(ctx, machine, recorder)
+                with deltas_to(recorder.stream_sink):
+                    reason = await self._loop(ctx, machine, recorder)
         except _Stop as stop:
             reason, error = stop.reason, stop.error
         except TimeoutError:
-            reason, error = "timeout", f"run timed out after {timeout:g}s"
+            reason, error = TerminationReason.TIMEOUT, f"run timed out after {timeout:g}s"
         except asyncio.CancelledError:
-            reason, error = "cancelled", "run cancelled"
+            reason, error = TerminationReason.CANCELLED, "run cancelled"
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
         except AgentError as exc:  # unreachable or failing servers leave the run resumable
-            reason, error, resumable = "agent_error", str(exc), exc.retryable
+            reason, error, resumable = TerminationReason.AGENT_ERROR, str(exc), exc.retryable
         except FsmKernelError as exc:
-            reason, error = "error", str(exc)
+            reason, error = TerminationReason.ERROR, str(exc)
         except Exception as exc:  # an action or guard is buggy: report, never crash the caller
             logger.debug("action raised in state %s", machine.state, exc_info=True)
-            reason, error = "error", _one_line(exc, machine.state)
+            reason, error = TerminationReason.ERROR, _one_line(exc, machine.state)
         return self._finish(ctx, recorder, reason, error, resumable=resumable)
 
     # -- the loop ------------------------------------------------------------------------
 
-    async def _loop(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> str:
-        limits = self.spec.limits
+    async def _loop(
+        self, ctx: RunContext, machine: Machine, recorder: RunRecorder
+    ) -> TerminationReason:
+        limits = self.limits
         transitions = 0
         while not machine.is_final:
             state = machine.state
@@ -198,7 +239,7 @@ class Kernel:
                 if action.calls_model:
                     self._complete_iteration(ctx, recorder, state)
                     if limits.max_iterations and ctx.iteration >= limits.max_iterations:
-                        raise _Stop("max_iterations")
+                        raise _Stop(TerminationReason.MAX_ITERATIONS)
                 ctx.state_spec = self.spec.states[state]
                 await action(ctx)
                 recorder.iteration = ctx.iteration
@@ -207,24 +248,24 @@ class Kernel:
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
             if fired.final:
                 recorder.state = fired.target
-                return fired.reason or "final_answer"
+                return TerminationReason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.state = fired.target
             recorder.record(EventType.STATE_ENTERED, {})
             if transitions >= limits.max_transitions:
                 raise _Stop(
-                    "no_progress",
+                    TerminationReason.NO_PROGRESS,
                     f"{transitions} transitions without reaching a final state "
                     "(limits.max_transitions)",
                 )
-        return "final_answer"
+        return TerminationReason.FINAL_ANSWER
 
     def _complete_iteration(
         self, ctx: RunContext, recorder: RunRecorder, next_state: str, error: str | None = None
     ) -> None:
         """Record the iteration that just ended (before the next model call or at the end)."""
-        if ctx.iteration == 0 or ctx.scratch.get("_recorded_iteration") == ctx.iteration:
+        if ctx.iteration == 0 or ctx.notes.recorded_iteration == ctx.iteration:
             return
-        ctx.scratch["_recorded_iteration"] = ctx.iteration
+        ctx.notes.recorded_iteration = ctx.iteration
         record = _iteration_record(ctx, next_state, error)
         recorder.record(EventType.ITERATION_COMPLETED, record)
         ctx.summary = ""
@@ -233,18 +274,22 @@ class Kernel:
         self,
         ctx: RunContext,
         recorder: RunRecorder,
-        reason: str,
+        reason: TerminationReason,
         error: str | None,
         *,
         resumable: bool = False,
     ) -> RunResult:
-        if reason == "fatal_tool_error" and error is None:
+        if reason == TerminationReason.FATAL_TOOL_ERROR and error is None:
             error = ctx.fatal_error
         if reason in SUCCESS_REASONS and is_truncated(ctx):  # a cut-off answer is no success
-            reason, error = "truncated", TRUNCATED_ERROR
+            reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
-        data: dict[str, Any] = {"reason": reason, "answer": response, "iterations": ctx.iteration}
+        data: dict[str, Any] = {
+            "reason": reason.value,
+            "answer": response,
+            "iterations": ctx.iteration,
+        }
         if error:
             data["error"] = error
         if resumable:
@@ -266,16 +311,23 @@ class Kernel:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _recorder(
-        self, run_id: str, *, expected: Sequence[Event] = (), next_seq: int = 1
+    def recorder(
+        self,
+        run_id: str,
+        *,
+        expected: Sequence[Event] = (),
+        next_seq: int = 1,
+        watch: Watcher | None = None,
     ) -> RunRecorder:
+        """The recorder of one run: the kernel's store, its watcher and the run's own."""
+        watchers = tuple(w for w in (self.on_event, watch) if w is not None)
         return RunRecorder(
             run_id,
             self.store,
             clock=self.clock,
             expected=expected,
             next_seq=next_seq,
-            on_event=self.on_event,
+            watchers=watchers,
         )
 
     def _started_data(self, prompt: str) -> dict[str, Any]:
@@ -285,7 +337,7 @@ class Kernel:
             "workflow_hash": self.spec.content_hash,
             "goal": prompt,
             "settings": self.settings,
-            "limits": self.spec.limits.model_dump(),
+            "limits": self.limits.model_dump(),
             "system_prompt": self.system_prompt,
         }
 

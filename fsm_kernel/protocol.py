@@ -264,11 +264,16 @@ class EventType(StrEnum):
     MODEL_REQUESTED = "model.requested"
     MODEL_RESPONDED = "model.responded"
     MODEL_FAILED = "model.failed"
+    MODEL_NOTICE = "model.notice"
     TOOL_STARTED = "tool.started"
     TOOL_FINISHED = "tool.finished"
     ITERATION_COMPLETED = "iteration.completed"
     RUN_TERMINATED = "run.terminated"
 
+
+LIVE_ONLY_EVENTS = frozenset({EventType.MODEL_FAILED, EventType.MODEL_NOTICE})
+"""Events about the live model call (a failure, a stream fallback): a re-drive from recorded
+answers never reproduces them, so resume does not expect them back."""
 
 EVENT_SCHEMA_VERSION = 1
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from fsm_kernel.protocol import Clock, Event, EventStore, EventType, SystemClock
 from fsm_kernel.redact import redact_data
+from fsm_kernel.streaming import StreamNotice, TextDelta
 
 __all__ = ["RunRecorder"]
 
@@ -37,9 +38,9 @@ class RunRecorder:
         clock: Clock | None = None,
         expected: Sequence[Event] = (),
         next_seq: int = 1,
-        on_event: Callable[[Event], None] | None = None,
+        watchers: Sequence[Callable[[Event | TextDelta], None]] = (),
     ) -> None:
-        self.on_event = on_event
+        self.watchers = tuple(watchers)
         self.run_id = run_id
         self.store = store
         self.clock = clock or SystemClock()
@@ -57,6 +58,15 @@ class RunRecorder:
 
     def __call__(self, type_: EventType, data: dict[str, Any]) -> None:
         self.record(type_, data)
+
+    def stream_sink(self, item: TextDelta | StreamNotice) -> None:
+        """Where the run's model streams to: text goes to the watchers (never stored), a
+        notice is recorded as a `model.notice` event."""
+        if isinstance(item, StreamNotice):
+            self.record(EventType.MODEL_NOTICE, {"kind": item.kind, **item.detail})
+            return
+        for watch in self.watchers:
+            watch(item)
 
     def record(self, type_: EventType, data: dict[str, Any]) -> Event:
         data = redact_data(data)  # nothing secret reaches the store, the log or a watcher
@@ -77,8 +87,8 @@ class RunRecorder:
             self.store.append([event])
         self._seq += 1
         self.events.append(event)
-        if self.on_event is not None:
-            self.on_event(event)
+        for watch in self.watchers:
+            watch(event)
         logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
         return event
 

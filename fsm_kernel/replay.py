@@ -17,6 +17,7 @@ from typing import Any
 from fsm_kernel.errors import AgentError, ReplayDivergenceError, ResumeError, RunNotFoundError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
+    LIVE_ONLY_EVENTS,
     ChatModel,
     Completion,
     Event,
@@ -30,6 +31,7 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.compiler import CompiledWorkflow
+from fsm_kernel.workflow.spec import Limits
 
 __all__ = [
     "RecordedChatModel",
@@ -44,6 +46,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CONFIG_KEYS = ("settings", "limits", "system_prompt")
+_NOT_REPRODUCED = LIVE_ONLY_EVENTS | {EventType.RUN_STARTED, EventType.RUN_RESUMED}
+"""What a re-drive does not record again: the run's markers and the live model's failures."""
 """What `run.started` records of how the run runs, and `run.resumed` may change."""
 _EXTERNAL_ENDINGS = frozenset({"timeout", "cancelled"})
 """Endings decided by the clock or the user, not by the workflow: a replay (which takes no
@@ -177,7 +181,7 @@ class RecordedRun:
         the endings a resume reopened (with the failed iteration that led to each)."""
         out: list[Event] = []
         for e in self.events:
-            if e.type in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
+            if e.type in _NOT_REPRODUCED:
                 continue
             if e.type == EventType.RUN_TERMINATED and e is not self.terminated:
                 if out and out[-1].type == EventType.ITERATION_COMPLETED:
@@ -243,36 +247,38 @@ async def _resume_locked(
         "workflow_hash": new_hash,
         "forced": recorded_hash != new_hash,
         "settings": kernel.settings,
-        "limits": kernel.spec.limits.model_dump(),
+        "limits": kernel.limits.model_dump(),
         "system_prompt": kernel.system_prompt,
         "overrides": dict(overrides),
         "reopened": reopened.data.get("reason") if reopened is not None else None,
         "rerun_tool_calls": sorted(run.unfinished),
         "iteration": max((e.iteration for e in run.events), default=0),
     }
+    watchers = (kernel.on_event,) if kernel.on_event is not None else ()
     marker = RunRecorder(
-        run.run_id, store, clock=kernel.clock, next_seq=next_seq, on_event=kernel.on_event
+        run.run_id, store, clock=kernel.clock, next_seq=next_seq, watchers=watchers
     )
     marker.record(EventType.RUN_RESUMED, resumed)
-    live_model, live_tools = kernel.model, kernel.tools
-    kernel.model = RecordedChatModel(run.completions, live_model)
-    kernel.tools = RecordedToolExecutor(run.results, live_tools, unfinished=run.unfinished)
-    try:
-        recorder = RunRecorder(
-            run.run_id,
-            store,
-            clock=kernel.clock,
-            expected=run.replayable_events(),
-            next_seq=next_seq + 1,
-            on_event=kernel.on_event,
-        )
-        ctx = kernel.new_context(run.run_id, run.goal, recorder)
-        machine = kernel.workflow.instantiate(ctx)
-        recorder.state = machine.state
-        recorder.record(EventType.STATE_ENTERED, {})
-        return await kernel.drive(ctx, machine, recorder)
-    finally:
-        kernel.model, kernel.tools = live_model, live_tools
+    recorder = RunRecorder(
+        run.run_id,
+        store,
+        clock=kernel.clock,
+        expected=run.replayable_events(),
+        next_seq=next_seq + 1,
+        watchers=watchers,
+    )
+    # This run's own collaborators: recorded answers first, then the kernel's live ones.
+    ctx = kernel.new_context(
+        run.run_id,
+        run.goal,
+        recorder,
+        model=RecordedChatModel(run.completions, kernel.model),
+        tools=RecordedToolExecutor(run.results, kernel.tools, unfinished=run.unfinished),
+    )
+    machine = kernel.workflow.instantiate(ctx)
+    recorder.state = machine.state
+    recorder.record(EventType.STATE_ENTERED, {})
+    return await kernel.drive(ctx, machine, recorder)
 
 
 @dataclass(frozen=True)
@@ -336,15 +342,26 @@ def _label(event: Event) -> str:
     return f"{d['source']} → {d['target']}{guard}{reason}"
 
 
-async def replay_run(workflow: CompiledWorkflow, store: EventStore, run_id: str) -> ReplayReport:
-    """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions."""
+async def replay_run(
+    workflow: CompiledWorkflow,
+    store: EventStore,
+    run_id: str,
+    *,
+    limits: Limits | None = None,
+) -> ReplayReport:
+    """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions.
+
+    `limits` default to the ones the run last ran under (its log), so the replay reproduces it;
+    a what-if with an edited workflow passes that workflow's own."""
     run = RecordedRun.load(store, run_id)
     model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
+    recorded = run.config().get("limits")
     kernel = Kernel(
         workflow,
         model=model,
         tools=RecordedToolExecutor(run.results),
         tool_names=run.started.data.get("settings", {}).get("tools"),
+        limits=limits or (Limits.model_validate(recorded) if recorded else None),
     )
     result = await kernel.run(run.goal, run_id=run.run_id)
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]

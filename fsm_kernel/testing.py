@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import inspect
 import itertools
-import json
 import logging
 import tempfile
 from collections import deque
@@ -478,7 +476,7 @@ class WorkflowHarness:
         store: EventStore | None = None,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
-        spec = self._spec_with_limits(limits)
+        spec = self.spec
         with _workspace(workspace) as root:
             registry, offered = _build_tools(spec, tools, root)
             kernel = Kernel(
@@ -488,6 +486,7 @@ class WorkflowHarness:
                 store=store,
                 system_prompt=spec.system_prompt if system_prompt is None else system_prompt,
                 tool_names=offered,
+                limits=self._limits(limits),
             )
             result = await kernel.run(prompt)
         for event in result.events:
@@ -496,15 +495,6 @@ class WorkflowHarness:
         if isinstance(model, ScriptedChatModel | FunctionChatModel) and model.failure is not None:
             raise model.failure
         return result
-
-    def _spec_with_limits(self, overrides: Mapping[str, Any] | None) -> WorkflowSpec:
-        if not overrides:
-            return self.spec
-        spec = self.spec.model_copy(update={"limits": self._limits(overrides)})
-        # A distinct content hash: compile_workflow caches by it, and the copy runs other limits.
-        key = json.dumps(dict(overrides), sort_keys=True, default=str)
-        spec._content_hash = hashlib.sha256(f"{self.spec.content_hash}{key}".encode()).hexdigest()
-        return spec
 
 
 def _set_reply(ctx: RunContext, reply: ReplyLike | None, *, keep_answer: bool) -> None:

@@ -258,7 +258,6 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from fsm_kernel.bootstrap import apply_limits, recorded_options
     from fsm_kernel.cli.commands import load_spec
     from fsm_kernel.replay import RecordedRun, replay_run
     from fsm_kernel.workflow.compiler import compile_workflow
@@ -266,9 +265,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
         spec = load_spec(_recorded_workflow(run, args.workflow))
-        if args.workflow is None:  # reproduce the run: the limits it ran under, not the file's
-            spec = apply_limits(spec, recorded_options(run.config()))
-        report = asyncio.run(replay_run(compile_workflow(spec), store, run.run_id))
+        # Without --workflow: reproduce the run under the limits it ran with (from its log);
+        # with it: a what-if under the edited file's own limits.
+        limits = spec.limits if args.workflow else None
+        report = asyncio.run(replay_run(compile_workflow(spec), store, run.run_id, limits=limits))
     if args.json:
         print(json.dumps(report.to_dict(), ensure_ascii=False))
         return EXIT_OK if report.identical else EXIT_FAIL

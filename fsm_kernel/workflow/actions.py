@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsm_kernel.errors import FsmKernelError
+from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
 from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
@@ -155,11 +155,15 @@ async def agent_think(ctx: RunContext) -> None:
     )
     started = ctx.clock.monotonic()
     choice = ctx.state_spec.tool_choice
-    completion = await (  # only when the state sets one: a user's model need not know the keyword
-        ctx.model.complete(messages, offered, tool_choice=choice)  # type: ignore[call-arg]
-        if choice is not None
-        else ctx.model.complete(messages, offered)
-    )
+    try:
+        completion = await (  # only when the state sets one: a user's model need not know it
+            ctx.model.complete(messages, offered, tool_choice=choice)  # type: ignore[call-arg]
+            if choice is not None
+            else ctx.model.complete(messages, offered)
+        )
+    except AgentError as exc:  # the kernel ends the run; the log says which call failed and why
+        ctx.record(EventType.MODEL_FAILED, {"error": exc.to_dict()})
+        raise
     latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
     ctx.record(
         EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}

@@ -78,14 +78,15 @@ class Machine:
     def step(self) -> FiredTransition:
         """Fire the first transition out of the current state whose guards pass."""
         source = self.state
-        self.ctx.scratch.pop("_fired", None)
+        self.ctx.notes.fired = None
         try:
             self._sm.send(EVENT_NAME)
         except TransitionNotAllowed:
             raise NoTransitionError(
                 f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id
             ) from None
-        index = self.ctx.scratch.pop("_fired")
+        index = self.ctx.notes.fired
+        assert index is not None, "a fired transition always marks itself"
         t = self.compiled.spec.transitions[index]
         self.ctx.current_state = self.state
         return FiredTransition(index, t.source, t.target, t.label(), t.reason, self.is_final)
@@ -103,13 +104,6 @@ class CompiledWorkflow:
         self.user_guards = any(
             ":" in name for t in spec.transitions for name in (*t.guard, *t.unless)
         )
-
-    def with_spec(self, spec: WorkflowSpec) -> CompiledWorkflow:
-        """This compiled machine under a spec that differs only in its limits."""
-        twin = object.__new__(CompiledWorkflow)
-        twin.spec, twin.actions, twin.machine_class = spec, self.actions, self.machine_class
-        twin.user_guards = self.user_guards
-        return twin
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
         """A machine for one run, at `start` (default: the initial state)."""
@@ -130,7 +124,7 @@ def _guard_fn(name: str) -> Callable[[RunContext], bool]:
 
 def _mark(index: int) -> Callable[[RunContext], None]:
     def mark_fired(model: RunContext) -> None:
-        model.scratch["_fired"] = index
+        model.notes.fired = index
 
     return mark_fired
 
@@ -177,13 +171,11 @@ _CACHE: dict[tuple[str, str], CompiledWorkflow] = {}
 
 
 def compile_workflow(spec: WorkflowSpec) -> CompiledWorkflow:
-    """Compile once per workflow content (and limits): python-statemachine registers every
-    class it creates globally, so recompiling per run would leak."""
+    """Compile once per workflow content: python-statemachine registers every class it creates
+    globally, so recompiling per run would leak. Limits are not part of the machine: a run gets
+    them from the Kernel (`Kernel(..., limits=)`)."""
     key = (spec.path, spec.content_hash or spec.model_dump_json())
     compiled = _CACHE.get(key)
     if compiled is None:
         compiled = _CACHE[key] = CompiledWorkflow(spec)
-    elif compiled.spec.limits != spec.limits:
-        # Same machine, other limits (--max-iterations, --timeout): share the class.
-        compiled = compiled.with_spec(spec)
     return compiled

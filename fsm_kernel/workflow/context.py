@@ -1,7 +1,8 @@
 """RunContext: the per-run state that actions change and guards read.
 
-This is the object a user's own `package.module:function` action or guard receives. It holds
-the run's counters and its collaborators (model, tools, session), all typed by Protocols.
+This is the object a user's own `package.module:function` action or guard receives: the run's
+parameters, its collaborators (`services`: model, tools, clock, recorder; typed by Protocols,
+also reachable as `ctx.model`, `ctx.tools`, `ctx.clock`, `ctx.record`) and its state.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fsm_kernel.protocol import (
 from fsm_kernel.session import InMemorySession, Session
 from fsm_kernel.workflow.spec import Limits, StateSpec
 
-__all__ = ["Recorder", "RunContext", "ToolCallRecord"]
+__all__ = ["KernelNotes", "Recorder", "RunContext", "RunServices", "ToolCallRecord"]
 
 Recorder = Callable[[EventType, dict[str, Any]], None]
 
@@ -57,27 +58,48 @@ class ToolCallRecord:
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunServices:
+    """What a run works with, fixed for the run: the model, the tools, the clock and the event
+    recorder. They belong to the run, not to the Kernel, so a resume (which serves recorded
+    answers) and a new run on the same Kernel never share or swap them."""
+
+    model: ChatModel | None = None
+    tools: ToolExecutor | None = None
+    clock: Clock = field(default_factory=SystemClock)
+    record: Recorder = _no_record
+    """Appends an event to the run's log (the kernel wires this; a no-op in unit tests)."""
+
+
+@dataclass(kw_only=True)
+class KernelNotes:
+    """The kernel's own bookkeeping for one run (not for actions or guards)."""
+
+    fired: int | None = None
+    """The index of the transition the machine just took (set by its `on` callback)."""
+    recorded_iteration: int = 0
+    """The last iteration whose `iteration.completed` event was written."""
+
+
 @dataclass(eq=False, kw_only=True)
 class RunContext:
-    """Everything a run knows. Actions mutate it; guards only read it."""
+    """Everything a run knows: its parameters, its collaborators (`services`) and its state.
+    Actions change the state; guards only read it."""
 
+    # -- the run's parameters, fixed when it starts --
     run_id: str = ""
     goal: str = ""
     system_prompt: str = ""
     limits: Limits = field(default_factory=Limits)
     tool_names: Sequence[str] = ()
     """The tools the workflow offers (a state's `tools:` may narrow it)."""
-    model: ChatModel | None = None
-    tools: ToolExecutor | None = None
-    session: Session = field(default_factory=InMemorySession)
-    clock: Clock = field(default_factory=SystemClock)
-    record: Recorder = _no_record
-    """Appends an event to the run's log (the kernel wires this; a no-op in unit tests)."""
+    services: RunServices = field(default_factory=RunServices)
 
+    # -- the run's state --
+    session: Session = field(default_factory=InMemorySession)
     current_state: str = ""
     state_spec: StateSpec = field(default_factory=StateSpec)
     """The spec of the state whose action is running (its prompt and tools)."""
-
     iteration: int = 0
     """Model calls made so far (one pass through a thinking state each)."""
     last_completion: Completion | None = None
@@ -102,7 +124,24 @@ class RunContext:
     summary: str = ""
     """A one-line state summary written by the evaluate step, kept in the iteration record."""
     scratch: dict[str, Any] = field(default_factory=dict)
-    """Free space for users' own actions and guards."""
+    """Free space for users' own actions and guards (the kernel never writes here)."""
+    notes: KernelNotes = field(default_factory=KernelNotes, repr=False)
+
+    @property
+    def model(self) -> ChatModel | None:
+        return self.services.model
+
+    @property
+    def tools(self) -> ToolExecutor | None:
+        return self.services.tools
+
+    @property
+    def clock(self) -> Clock:
+        return self.services.clock
+
+    def record(self, type_: EventType, data: dict[str, Any]) -> None:
+        """Append an event to the run's log."""
+        self.services.record(type_, data)
 
     def offered_tools(self) -> list[Tool]:
         """The tools to offer in the current state."""
@@ -115,28 +154,3 @@ class RunContext:
         """System prompt (with memory) followed by the conversation so far."""
         head = [Message.system(self.system_prompt)] if self.system_prompt else []
         return head + self.session.messages()
-
-    def counters(self) -> dict[str, Any]:
-        """The counters a resume restores (small: never the message list)."""
-        return {
-            "iteration": self.iteration,
-            "failure_streak": self.failure_streak,
-            "malformed_streak": self.malformed_streak,
-            "repeat_count": self.repeat_count,
-            "last_call_key": self.last_call_key,
-            "done_answer": self.done_answer,
-            "fatal_error": self.fatal_error,
-            "answer": self.answer,
-            "usage": self.usage.to_dict(),
-            "scratch": self.scratch,
-        }
-
-    def restore_counters(self, data: dict[str, Any]) -> None:
-        for key in ("iteration", "failure_streak", "malformed_streak", "repeat_count"):
-            setattr(self, key, int(data.get(key, 0)))
-        self.last_call_key = data.get("last_call_key")
-        self.done_answer = data.get("done_answer")
-        self.fatal_error = data.get("fatal_error")
-        self.answer = data.get("answer", "")
-        self.usage = Usage.from_dict(data.get("usage"))
-        self.scratch = dict(data.get("scratch") or {})

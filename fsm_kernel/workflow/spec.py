@@ -6,6 +6,7 @@ Pure data: no YAML parsing here (loader.py) and no python-statemachine (compiler
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
@@ -16,29 +17,52 @@ __all__ = [
     "Limits",
     "SourceLocation",
     "StateSpec",
+    "TerminationReason",
     "TransitionSpec",
     "WorkflowSpec",
 ]
 
-TERMINATION_REASONS: dict[str, str] = {
-    "final_answer": "the model answered without calling a tool",
-    "done": "the model called the done tool",
-    "max_iterations": "the iteration cap was reached",
-    "fatal_tool_error": "a tool failed in a way the run cannot recover from",
-    "no_progress": "the same tool call with the same arguments repeated too often",
-    "tool_failures": "too many tool failures in a row",
-    "malformed_output": "too many malformed model replies in a row",
-    "truncated": (
+class TerminationReason(StrEnum):
+    """Every reason a run may end for: exactly one per run. A StrEnum, so each compares equal
+    to its name as written in workflow files and the event log ("max_iterations")."""
+
+    FINAL_ANSWER = "final_answer"
+    DONE = "done"
+    MAX_ITERATIONS = "max_iterations"
+    FATAL_TOOL_ERROR = "fatal_tool_error"
+    NO_PROGRESS = "no_progress"
+    TOOL_FAILURES = "tool_failures"
+    MALFORMED_OUTPUT = "malformed_output"
+    TRUNCATED = "truncated"
+    AGENT_ERROR = "agent_error"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+    @property
+    def description(self) -> str:
+        return TERMINATION_REASONS[self]
+
+
+TERMINATION_REASONS: dict[TerminationReason, str] = {
+    TerminationReason.FINAL_ANSWER: "the model answered without calling a tool",
+    TerminationReason.DONE: "the model called the done tool",
+    TerminationReason.MAX_ITERATIONS: "the iteration cap was reached",
+    TerminationReason.FATAL_TOOL_ERROR: "a tool failed in a way the run cannot recover from",
+    TerminationReason.NO_PROGRESS: "the same tool call with the same arguments repeated too often",
+    TerminationReason.TOOL_FAILURES: "too many tool failures in a row",
+    TerminationReason.MALFORMED_OUTPUT: "too many malformed model replies in a row",
+    TerminationReason.TRUNCATED: (
         "the model's reply was cut off by its length limit (max tokens or context window)"
     ),
-    "agent_error": "the model server failed after retries",
-    "cancelled": "the run was cancelled (Ctrl-C)",
-    "timeout": "the run's wall-clock timeout expired",
-    "error": "an action raised (a bug)",
+    TerminationReason.AGENT_ERROR: "the model server failed after retries",
+    TerminationReason.CANCELLED: "the run was cancelled (Ctrl-C)",
+    TerminationReason.TIMEOUT: "the run's wall-clock timeout expired",
+    TerminationReason.ERROR: "an action raised (a bug)",
 }
 """Every reason a run may end for, with what it means."""
 
-SUCCESS_REASONS = frozenset({"final_answer", "done"})
+SUCCESS_REASONS = frozenset({TerminationReason.FINAL_ANSWER, TerminationReason.DONE})
 """The reasons a run succeeded for (exit code 0); a run about to end with one of them while the
 last model reply was cut off by the length limit ends `truncated` instead (the kernel's rule)."""
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fsm_kernel.bootstrap import RunOptions, agent_settings, apply_limits
+from fsm_kernel.bootstrap import RunOptions, agent_settings, run_limits
 from fsm_kernel.config import (
     DEFAULT_BASE_URL,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -290,14 +290,23 @@ def test_layering_defaults_workflow_environment_flags() -> None:
 def test_flag_limits_override_the_workflow() -> None:
     spec = load_workflow_text(WITH_AGENT_BLOCK)
 
-    changed = apply_limits(spec, RunOptions(max_iterations=0, timeout_seconds=1.5))
+    changed = run_limits(spec, RunOptions(max_iterations=0, timeout_seconds=1.5))
 
-    assert changed.limits.max_iterations == 0
-    assert changed.limits.timeout_seconds == 1.5
-    assert changed.limits.max_tool_failures == spec.limits.max_tool_failures
-    assert (changed.path, changed.content_hash) == (spec.path, spec.content_hash)
+    assert changed.max_iterations == 0
+    assert changed.timeout_seconds == 1.5
+    assert changed.max_tool_failures == spec.limits.max_tool_failures
     assert spec.limits.max_iterations == 10
-    assert apply_limits(spec, RunOptions()) is spec
+    assert run_limits(spec, RunOptions()) is spec.limits
+
+
+def test_recorded_limits_replace_the_workflows_and_flags_still_apply() -> None:
+    spec = load_workflow_text(WITH_AGENT_BLOCK)
+    recorded = {**spec.limits.model_dump(), "max_iterations": 6, "max_tool_failures": 1}
+
+    limits = run_limits(spec, RunOptions(limits=recorded, timeout_seconds=9.0))
+
+    assert (limits.max_iterations, limits.max_tool_failures) == (6, 1)
+    assert limits.timeout_seconds == 9.0
 
 
 @pytest.mark.parametrize(
@@ -309,4 +318,4 @@ def test_flag_limits_are_validated(options: RunOptions) -> None:
     spec = load_workflow_text(WITH_AGENT_BLOCK)
 
     with pytest.raises(ConfigError):
-        apply_limits(spec, options)
+        run_limits(spec, options)

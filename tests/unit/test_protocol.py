@@ -172,6 +172,7 @@ def test_event_types_are_a_stored_schema() -> None:
         "model.requested",
         "model.responded",
         "model.failed",
+        "model.notice",
         "tool.started",
         "tool.finished",
         "iteration.completed",

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 from statemachine import StateChart
 
-from fsm_kernel.bootstrap import RunOptions, apply_limits
+from fsm_kernel.bootstrap import RunOptions, run_limits
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
+from fsm_kernel.kernel import Kernel
 from fsm_kernel.protocol import Completion, Message, ToolCall
+from fsm_kernel.tools import builtin_registry
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.loader import load_workflow, load_workflow_text
@@ -305,17 +307,23 @@ def test_changed_content_compiles_anew(tmp_path: Path) -> None:
     assert compile_workflow(load_workflow(path)) is after
 
 
-def test_a_spec_with_overridden_limits_is_not_served_from_the_cache() -> None:
-    # The CLI's --max-iterations/--timeout go through apply_limits (same file, same hash).
+class _NoModel:
+    async def complete(self, messages: object, tools: object) -> object:
+        raise AssertionError("not called")
+
+
+def test_limits_are_a_run_parameter_not_part_of_the_compiled_machine() -> None:
+    # The CLI's --max-iterations/--timeout become the Kernel's limits: one compiled class.
     spec = load_workflow(DEFAULT)
     plain = compile_workflow(spec)
+    tighter = run_limits(spec, RunOptions(max_iterations=1, timeout_seconds=5))
 
-    tighter = compile_workflow(apply_limits(spec, RunOptions(max_iterations=1, timeout_seconds=5)))
+    kernel = Kernel(plain, model=_NoModel(), tools=builtin_registry("."), limits=tighter)
 
-    assert tighter.spec.limits.max_iterations == 1
-    assert tighter.spec.limits.timeout_seconds == 5
-    assert compile_workflow(spec).spec.limits.max_iterations == 10
+    assert compile_workflow(spec) is plain
+    assert (kernel.limits.max_iterations, kernel.limits.timeout_seconds) == (1, 5)
     assert plain.spec.limits.max_iterations == 10
+    assert not hasattr(plain, "with_spec")
 
 
 def test_compiled_actions_are_resolved(default: CompiledWorkflow) -> None:
