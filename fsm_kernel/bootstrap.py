@@ -7,6 +7,7 @@ explicit options (the CLI's flags). Tests skip this module and pass fakes to Ker
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_da
 from fsm_kernel.errors import ConfigError, WorkflowValidationError
 from fsm_kernel.kernel import Kernel
 from fsm_kernel.memory import build_system_prompt, load_memory
-from fsm_kernel.protocol import EventStore
+from fsm_kernel.protocol import ChatModel, EventStore
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
@@ -30,6 +31,7 @@ __all__ = [
     "RunOptions",
     "build_kernel",
     "list_stock_workflows",
+    "load_spec",
     "recorded_options",
     "resolve_workflow",
 ]
@@ -47,6 +49,7 @@ class RunOptions:
     request_timeout: float | None = None
     max_retries: int | None = None
     max_response_bytes: int | None = None
+    stream: bool | None = None
     max_iterations: int | None = None
     timeout_seconds: float | None = None
     system_prompt: str | None = None
@@ -89,6 +92,17 @@ def recorded_options(config: Mapping[str, Any]) -> RunOptions:
         full_system_prompt=config.get("system_prompt"),
         limits=config.get("limits"),
     )
+
+
+def load_spec(name_or_path: str) -> WorkflowSpec:
+    """Load a workflow by path or stock name. Its folder and the current directory are put on
+    sys.path first, so its `package.module:function` references import like a project's own
+    code (as `python -m` would)."""
+    path = resolve_workflow(name_or_path)
+    for folder in (str(Path.cwd()), str(path.resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    return load_workflow(path)
 
 
 def resolve_workflow(name_or_path: str | Path) -> Path:
@@ -137,6 +151,7 @@ def agent_settings(
             "request_timeout": options.request_timeout,
             "max_retries": options.max_retries,
             "max_response_bytes": options.max_response_bytes,
+            **({"stream": options.stream} if options.stream is not None else {}),
         }
     )
 
@@ -253,17 +268,19 @@ def build_kernel(
     *,
     store: EventStore | None = None,
     environ: Mapping[str, str] | None = None,
-) -> tuple[Kernel, HttpChatModel]:
-    """A Kernel wired to the HTTP model, the tool registry, memory and `store`.
+    chat_model: ChatModel | None = None,
+) -> tuple[Kernel, ChatModel]:
+    """A Kernel wired to the model (`chat_model`, else the HTTP client for the settings), the
+    tool registry, memory and `store`.
 
-    The returned HttpChatModel must be closed (`await model.aclose()`) after the run.
+    A model this builds must be closed (`await model.aclose()`) after the runs.
     """
     options = options or RunOptions()
     limits = run_limits(spec, options)
     settings = agent_settings(spec, options, environ)
     registry, offered = build_tools(spec, options)
     system_prompt = _system_prompt(spec, options)
-    model = HttpChatModel(settings)
+    model = chat_model if chat_model is not None else HttpChatModel(settings)
     kernel = Kernel(
         compile_workflow(spec),
         model=model,

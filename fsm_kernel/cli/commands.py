@@ -7,16 +7,20 @@ import asyncio
 import json
 import signal
 import sys
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fsm_kernel.bootstrap import RunOptions, build_kernel, list_stock_workflows, resolve_workflow
+from fsm_kernel.api import Agent
+from fsm_kernel.bootstrap import (
+    RunOptions,
+    list_stock_workflows,
+    load_spec,
+)
 from fsm_kernel.cli import output
 from fsm_kernel.cli.args import count, existing_dir, read_prompt, seconds
 from fsm_kernel.config import default_store_location
-from fsm_kernel.kernel import Kernel, RunResult
+from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import EventStore
-from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import WorkflowSpec
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -161,18 +165,7 @@ def open_event_store(location: str | None) -> EventStore:
     return open_store(location or default_store_location())
 
 
-def load_spec(name_or_path: str) -> WorkflowSpec:
-    """Load a workflow by path or stock name. Its folder and the current directory are put on
-    sys.path first, so its `package.module:function` references import like a project's own
-    code (as `python -m` would)."""
-    path = resolve_workflow(name_or_path)
-    for folder in (str(Path.cwd()), str(path.resolve().parent)):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    return load_workflow(path)
-
-
-async def run_cancellable(coro: Any) -> RunResult:
+async def run_cancellable(coro: Awaitable[RunResult]) -> RunResult:
     """Run a kernel coroutine so Ctrl-C cancels it (recorded as `cancelled`), not kills it."""
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
@@ -189,37 +182,38 @@ async def run_cancellable(coro: Any) -> RunResult:
     return result
 
 
-def execute(args: argparse.Namespace, start: Any, options: RunOptions | None = None) -> int:
-    """Build the kernel (from `options`, default the flags), run `start(kernel)` under Ctrl-C
-    handling, print, exit code."""
+def agent_options(options: RunOptions) -> dict[str, Any]:
+    """The Agent keyword arguments for the options that were given."""
+    given = options.given()
+    if "timeout_seconds" in given:
+        given["timeout"] = given.pop("timeout_seconds")
+    return given
+
+
+def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResult]]) -> int:
+    """Build the Agent from the flags (the same public API Python code uses), run
+    `start(agent)` under Ctrl-C handling, print, exit code."""
     spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
-    store = open_event_store(args.store)
-    try:
-        options = options or options_from_args(args)
-        kernel, model = build_kernel(spec, options, store=store)
-        if not args.json:
-            kernel.on_event = output.progress_printer(sys.stderr)
+    watch = None if args.json else output.progress_printer(sys.stderr)
 
-        async def go() -> RunResult:
-            try:
-                return await run_cancellable(start(kernel))
-            finally:
-                await model.aclose()
+    async def go() -> RunResult:
+        agent = Agent(
+            spec,
+            **agent_options(options_from_args(args)),
+            store=args.store or default_store_location(),
+            on_event=watch,
+        )
+        async with agent:
+            return await run_cancellable(start(agent))
 
-        result = asyncio.run(go())
-    finally:
-        store.close()
+    result = asyncio.run(go())
     output.print_result(result, as_json=args.json)
     return EXIT_OK if result.ok else EXIT_FAIL
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
-    return execute(args, lambda kernel: _start_run(kernel, prompt))
-
-
-def _start_run(kernel: Kernel, prompt: str) -> Any:
-    return kernel.run(prompt)
+    return execute(args, lambda agent: agent.run(prompt))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

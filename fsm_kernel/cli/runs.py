@@ -239,21 +239,16 @@ def _recorded_workflow(run: RecordedRun, override: str | None) -> str:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from fsm_kernel.bootstrap import recorded_options
     from fsm_kernel.cli import commands
-    from fsm_kernel.replay import RecordedRun, resume_run
+    from fsm_kernel.replay import RecordedRun
 
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
     args.workflow = _recorded_workflow(run, args.workflow)
-    flags = commands.options_from_args(args)
-    options = flags.over(recorded_options(run.config()))
+    # The run's recorded settings by default; the flags given here override and are recorded.
+    overrides = commands.agent_options(commands.options_from_args(args))
     return commands.execute(
-        args,
-        lambda kernel: resume_run(
-            kernel, kernel.store, run.run_id, force=args.force, overrides=flags.given()
-        ),
-        options,
+        args, lambda agent: agent.resume(run.run_id, force=args.force, **overrides)
     )
 
 

@@ -1,0 +1,347 @@
+"""The public way to run workflows from Python: `Agent`, and `run`/`arun` for one prompt.
+
+The CLI and the scheduler build their runs through this module too, so a behaviour fixed here
+is fixed everywhere. An Agent is built once from a workflow and options (the CLI's), owns the
+model client and the store it opened, and may run many prompts concurrently::
+
+    async with Agent("default", base_url="http://localhost:11434/v1", model="qwen3") as agent:
+        result = await agent.run("What time is it?")
+        async for event in agent.stream("List the files here"):
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fsm_kernel.bootstrap import RunOptions, build_kernel, load_spec, recorded_options
+from fsm_kernel.errors import ConfigError
+from fsm_kernel.kernel import Kernel, RunResult, Watcher
+from fsm_kernel.protocol import ChatModel, Event, EventStore, EventType, ToolCall, ToolResult
+from fsm_kernel.replay import RecordedRun, ReplayReport, replay_run, resume_run
+from fsm_kernel.streaming import TextDelta
+from fsm_kernel.workflow.spec import WorkflowSpec
+
+__all__ = [
+    "Agent",
+    "IterationCompleted",
+    "RunEnded",
+    "StateEntered",
+    "StreamEvent",
+    "TextDelta",
+    "ToolCallFinished",
+    "ToolCallStarted",
+    "TransitionTaken",
+    "arun",
+    "run",
+]
+
+
+# --- what agent.stream() yields ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateEntered:
+    state: str
+    iteration: int
+
+
+@dataclass(frozen=True)
+class TransitionTaken:
+    source: str
+    target: str
+    guard: str
+    """The guard label ("has_tool_calls"), "" for the fallback."""
+    reason: str | None
+    """The termination reason of an edge into a final state."""
+
+
+@dataclass(frozen=True)
+class ToolCallStarted:
+    call: ToolCall
+    iteration: int
+
+
+@dataclass(frozen=True)
+class ToolCallFinished:
+    call: ToolCall
+    result: ToolResult
+    duration_ms: float
+    iteration: int
+
+
+@dataclass(frozen=True)
+class IterationCompleted:
+    step: int
+    record: dict[str, Any]
+    """The `iteration.completed` event's data: decision, tools, answer, error, summary."""
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    result: RunResult
+
+
+StreamEvent = (
+    StateEntered
+    | TransitionTaken
+    | TextDelta
+    | ToolCallStarted
+    | ToolCallFinished
+    | IterationCompleted
+    | RunEnded
+)
+
+
+def _typed(event: Event) -> StreamEvent | None:
+    """The stream's view of a recorded event; None for the ones it does not show."""
+    data = event.data
+    if event.type == EventType.STATE_ENTERED:
+        return StateEntered(event.state or "", event.iteration)
+    if event.type == EventType.TRANSITION_TAKEN:
+        return TransitionTaken(
+            data["source"], data["target"], data.get("guard") or "", data.get("reason")
+        )
+    if event.type == EventType.TOOL_STARTED:
+        return ToolCallStarted(ToolCall.from_dict(data["call"]), event.iteration)
+    if event.type == EventType.TOOL_FINISHED:
+        return ToolCallFinished(
+            ToolCall.from_dict(data["call"]),
+            ToolResult.from_dict(data["result"]),
+            float(data.get("duration_ms", 0.0)),
+            event.iteration,
+        )
+    if event.type == EventType.ITERATION_COMPLETED:
+        return IterationCompleted(int(data["step"]), dict(data))
+    return None
+
+
+# --- the agent -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Owned:
+    """What an Agent opened and must close."""
+
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+    streams: set[asyncio.Task[RunResult]] = field(default_factory=set)
+    """Runs of streams still in flight (a loop left early ends its run when the generator is
+    closed, which Python does soon after, not at once)."""
+
+
+class Agent:
+    """A workflow ready to run prompts: built once, used for many runs, closed once.
+
+    Args:
+        workflow: a stock workflow's name ("default", "react", ...), a path to a YAML file, or a
+            loaded WorkflowSpec. A file's folder is importable, for its own Python code.
+        model, base_url, api_key, request_timeout, max_retries, max_response_bytes: the model
+            server (else the environment's FSM_KERNEL_*, else the workflow's `agent:` block).
+        max_iterations, timeout: override the workflow's limits (`timeout` in seconds).
+        system_prompt, memory, workspace: as the CLI's flags.
+        store: where runs are recorded: a location ("runs.db", "events.jsonl",
+            "postgresql://…") opened and closed by the agent, or an EventStore you own; None (the
+            default) keeps events in each RunResult only (no resume).
+        tools: extra tool functions to offer, besides the workflow's.
+        chat_model: a ChatModel to use instead of the HTTP client (a test double, your own).
+        on_event: sees every run's events and streamed text as they happen.
+    """
+
+    def __init__(
+        self,
+        workflow: str | Path | WorkflowSpec = "default",
+        *,
+        model: str | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+        max_retries: int | None = None,
+        max_response_bytes: int | None = None,
+        max_iterations: int | None = None,
+        timeout: float | None = None,
+        system_prompt: str | None = None,
+        memory: str | Path | None = None,
+        workspace: str | Path | None = None,
+        store: str | Path | EventStore | None = None,
+        tools: Sequence[Callable[..., Any]] = (),
+        chat_model: ChatModel | None = None,
+        stream: bool | None = None,
+        on_event: Watcher | None = None,
+    ) -> None:
+        self.spec = workflow if isinstance(workflow, WorkflowSpec) else load_spec(str(workflow))
+        self.options = RunOptions(
+            model=model,
+            base_url=base_url,
+            api_key=api_key,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            max_response_bytes=max_response_bytes,
+            max_iterations=max_iterations,
+            timeout_seconds=timeout,
+            system_prompt=system_prompt,
+            memory=None if memory is None else str(memory),
+            workspace=None if workspace is None else str(workspace),
+            stream=stream,
+            extra_tools=list(tools),
+        )
+        self._chat_model = chat_model
+        self._on_event = on_event
+        self._owned = _Owned()
+        self.store = self._open_store(store)
+        self.kernel = self._kernel(self.options)
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel streamed runs still going, then close the model client and the store the
+        agent opened (safe to call twice)."""
+        for task in list(self._owned.streams):
+            task.cancel()
+        if self._owned.streams:
+            await asyncio.gather(*self._owned.streams, return_exceptions=True)
+        closers, self._owned.closers = self._owned.closers, []
+        for close in reversed(closers):
+            outcome = close()
+            if asyncio.iscoroutine(outcome):
+                await outcome
+
+    # -- runs -------------------------------------------------------------------------------
+
+    async def run(self, prompt: str, *, run_id: str | None = None) -> RunResult:
+        """Run the workflow on `prompt` to its end; never raises for how the run ended (see
+        `RunResult.termination_reason`, `.ok`, `.error`)."""
+        return await self.kernel.run(prompt, run_id=run_id)
+
+    async def stream(self, prompt: str, *, run_id: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Run `prompt`, yielding what happens as it happens: states, transitions, the model's
+        text as it streams, tool calls, iterations, and last `RunEnded` with the result.
+        Leaving the loop early cancels the run (it ends `cancelled`, recorded) as soon as the
+        generator is closed: at once with `contextlib.aclosing(agent.stream(...))`, else when
+        Python finalises it, and at the latest when the agent closes."""
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+        def watch(item: Event | TextDelta) -> None:
+            typed = item if isinstance(item, TextDelta) else _typed(item)
+            if typed is not None:
+                queue.put_nowait(typed)
+
+        task = asyncio.ensure_future(self.kernel.run(prompt, run_id=run_id, watch=watch))
+        self._owned.streams.add(task)
+        task.add_done_callback(self._owned.streams.discard)
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                yield RunEnded(task.result())
+                return
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def resume(self, run_id: str, *, force: bool = False, **overrides: Any) -> RunResult:
+        """Continue a run recorded in the agent's store (killed, or ended by a model server
+        that could not be reached) with the settings it recorded; `overrides` (the keyword
+        arguments of Agent, e.g. `base_url=`) replace some and are recorded.
+
+        Raises:
+            ConfigError: the agent has no store, or an unknown override.
+            RunNotFoundError, ResumeError, RunLockedError: see `fsm_kernel.replay.resume_run`.
+        """
+        store = self._require_store("resume")
+        run = RecordedRun.load(store, run_id)
+        given = _options(overrides)
+        kernel = self._kernel(given.over(recorded_options(run.config())))
+        return await resume_run(kernel, store, run.run_id, force=force, overrides=given.given())
+
+    async def replay(self, run_id: str) -> ReplayReport:
+        """Re-run a recorded run from its log (no model, no tools) and compare its steps."""
+        store = self._require_store("replay")
+        return await replay_run(self.kernel.workflow, store, run_id)
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _open_store(self, store: str | Path | EventStore | None) -> EventStore | None:
+        if store is None or isinstance(store, EventStore):
+            return store
+        from fsm_kernel.store import open_store
+
+        opened = open_store(store)
+        self._owned.closers.append(opened.close)
+        return opened
+
+    def _kernel(self, options: RunOptions) -> Kernel:
+        kernel, model = build_kernel(
+            self.spec, options, store=self.store, chat_model=self._chat_model
+        )
+        kernel.on_event = self._on_event
+        if model is not self._chat_model and hasattr(model, "aclose"):
+            self._owned.closers.append(model.aclose)
+        return kernel
+
+    def _require_store(self, what: str) -> EventStore:
+        if self.store is None:
+            raise ConfigError(f"{what} needs a store: build the Agent with store=...")
+        return self.store
+
+
+_OPTION_NAMES = {
+    "model": "model",
+    "base_url": "base_url",
+    "api_key": "api_key",
+    "request_timeout": "request_timeout",
+    "max_retries": "max_retries",
+    "max_response_bytes": "max_response_bytes",
+    "max_iterations": "max_iterations",
+    "timeout": "timeout_seconds",
+    "workspace": "workspace",
+    "stream": "stream",
+}
+
+
+def _options(overrides: dict[str, Any]) -> RunOptions:
+    unknown = set(overrides) - set(_OPTION_NAMES)
+    if unknown:
+        raise ConfigError(
+            f"unknown resume option(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(sorted(_OPTION_NAMES))})"
+        )
+    return RunOptions(**{_OPTION_NAMES[k]: v for k, v in overrides.items()})
+
+
+# --- one prompt --------------------------------------------------------------------------
+
+
+async def arun(workflow: str | Path | WorkflowSpec, prompt: str, **options: Any) -> RunResult:
+    """Run one prompt through a workflow and close everything after (see Agent for options)."""
+    async with Agent(workflow, **options) as agent:
+        return await agent.run(prompt)
+
+
+def run(workflow: str | Path | WorkflowSpec, prompt: str, **options: Any) -> RunResult:
+    """`arun` for code without an event loop."""
+    return asyncio.run(arun(workflow, prompt, **options))
