@@ -213,7 +213,8 @@ class Agent:
         """Cancel streamed runs still going, then close the model client and the store the
         agent opened (safe to call twice)."""
         for task in list(self._owned.streams):
-            task.cancel()
+            if not task.cancelling():
+                task.cancel()
         if self._owned.streams:
             await asyncio.gather(*self._owned.streams, return_exceptions=True)
         closers, self._owned.closers = self._owned.closers, []

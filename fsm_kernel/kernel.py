@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -157,6 +157,7 @@ class Kernel:
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
             recorder.record(EventType.STATE_ENTERED, {})
+            await recorder.flush()  # the run exists in the log before its first step
             return await self.drive(ctx, machine, recorder)
 
     def lock(self, run_id: str) -> AbstractContextManager[None]:
@@ -184,6 +185,7 @@ class Kernel:
             tools=tools or self.tools,
             clock=self.clock,
             record=recorder.record,
+            flush=recorder.flush,
         )
         ctx = RunContext(
             run_id=run_id,
@@ -222,7 +224,9 @@ class Kernel:
         except Exception as exc:  # an action or guard is buggy: report, never crash the caller
             logger.debug("action raised in state %s", machine.state, exc_info=True)
             reason, error = TerminationReason.ERROR, _one_line(exc, machine.state)
-        return self._finish(ctx, recorder, reason, error, resumable=resumable)
+        result = self._finish(ctx, recorder, reason, error, resumable=resumable)
+        await _until_done(recorder.flush())  # the ending is recorded even if cancelled again
+        return result
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -251,6 +255,7 @@ class Kernel:
                 return TerminationReason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.state = fired.target
             recorder.record(EventType.STATE_ENTERED, {})
+            await recorder.flush()  # the step (action, transition) is durable before the next
             if transitions >= limits.max_transitions:
                 raise _Stop(
                     TerminationReason.NO_PROGRESS,
@@ -340,6 +345,21 @@ class Kernel:
             "limits": self.limits.model_dump(),
             "system_prompt": self.system_prompt,
         }
+
+
+async def _until_done(work: Awaitable[None]) -> None:
+    """Await `work` to its end: a cancellation that arrives meanwhile waits for it."""
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            await asyncio.shield(task)
+            return
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
 
 
 def _one_line(exc: Exception, state: str) -> str:

@@ -7,6 +7,7 @@ runs out (the iteration that was in flight when the process died) recording goes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,8 @@ class RunRecorder:
         self.iteration = 0
         self.state: str | None = None
         self.diverged_at: Event | None = None
+        self._pending: list[Event] = []
+        self._inflight: asyncio.Future[None] | None = None
 
     @property
     def catching_up(self) -> bool:
@@ -58,6 +61,27 @@ class RunRecorder:
 
     def __call__(self, type_: EventType, data: dict[str, Any]) -> None:
         self.record(type_, data)
+
+    async def flush(self) -> None:
+        """Make every event recorded so far durable, in one batch, off the event loop (a
+        store's append is blocking I/O: a network round trip for PostgreSQL), in order.
+
+        The kernel flushes at the end of each step and before a tool runs, so what a step
+        did is durable before the next one starts, as if each event had been appended alone.
+        If the awaiting task is cancelled, the write still completes, and the next flush
+        waits for it, so the log never has a gap or a reordering.
+        """
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        self._inflight = asyncio.ensure_future(self._write(self._inflight, batch))
+        await asyncio.shield(self._inflight)
+
+    async def _write(self, previous: asyncio.Future[None] | None, batch: list[Event]) -> None:
+        if previous is not None:
+            await previous
+        assert self.store is not None  # only then are events pending
+        await asyncio.to_thread(self.store.append, batch)
 
     def stream_sink(self, item: TextDelta | StreamNotice) -> None:
         """Where the run's model streams to: text goes to the watchers (never stored), a
@@ -84,7 +108,7 @@ class RunRecorder:
             data=data,
         )
         if self.store is not None:
-            self.store.append([event])
+            self._pending.append(event)
         self._seq += 1
         self.events.append(event)
         for watch in self.watchers:

@@ -259,6 +259,7 @@ async def _resume_locked(
         run.run_id, store, clock=kernel.clock, next_seq=next_seq, watchers=watchers
     )
     marker.record(EventType.RUN_RESUMED, resumed)
+    await marker.flush()
     recorder = RunRecorder(
         run.run_id,
         store,

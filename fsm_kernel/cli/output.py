@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.streaming import TextDelta
 
 CUT = 200
 
@@ -23,29 +24,50 @@ def _args(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def progress_printer(stream: TextIO) -> Callable[[Event], None]:
-    """Prints state changes and tool calls as they happen."""
+def progress_printer(stream: TextIO) -> Callable[[Event | TextDelta], None]:
+    """Prints state changes and tool calls as they happen, and the model's text as it streams
+    (on the progress stream: stdout gets the run's final answer only)."""
+    streaming = False
 
-    def show(event: Event) -> None:
-        data = event.data
-        if event.type == EventType.RUN_STARTED:
-            line = f"run {event.run_id} ({data.get('workflow')})"
-        elif event.type == EventType.RUN_RESUMED:
-            line = f"resuming run {event.run_id} at iteration {data.get('iteration', 0)}"
-        elif event.type == EventType.STATE_ENTERED:
-            line = f"→ {event.state}"
-        elif event.type == EventType.TOOL_STARTED:
-            call = data["call"]
-            line = f"  tool {call['name']}({cut(_args(call.get('arguments')), 120)})"
-        elif event.type == EventType.TOOL_FINISHED and data["result"].get("is_error"):
-            line = f"  ✗ {data['call']['name']}: {cut(data['result']['content'], 160)}"
-        elif event.type == EventType.RUN_TERMINATED:
-            line = f"■ {data.get('reason')}"
-        else:
+    def show(item: Event | TextDelta) -> None:
+        nonlocal streaming
+        if isinstance(item, TextDelta):
+            if not streaming:
+                stream.write("  ")
+                streaming = True
+            stream.write(item.text.replace("\n", "\n  "))
+            stream.flush()
             return
+        line = _progress_line(item)
+        if line is None:
+            return
+        if streaming:
+            stream.write("\n")
+            streaming = False
         print(line, file=stream, flush=True)
 
     return show
+
+
+def _progress_line(event: Event) -> str | None:
+    """The progress line of an event, or None for events progress does not show."""
+    data = event.data
+    if event.type == EventType.RUN_STARTED:
+        return f"run {event.run_id} ({data.get('workflow')})"
+    if event.type == EventType.RUN_RESUMED:
+        return f"resuming run {event.run_id} at iteration {data.get('iteration', 0)}"
+    if event.type == EventType.STATE_ENTERED:
+        return f"→ {event.state}"
+    if event.type == EventType.TOOL_STARTED:
+        call = data["call"]
+        return f"  tool {call['name']}({cut(_args(call.get('arguments')), 120)})"
+    if event.type == EventType.TOOL_FINISHED and data["result"].get("is_error"):
+        return f"  ✗ {data['call']['name']}: {cut(data['result']['content'], 160)}"
+    if event.type == EventType.MODEL_NOTICE and data.get("kind") == "stream_restarted":
+        return "  (the model's answer restarts: the stream broke and the request is retried)"
+    if event.type == EventType.RUN_TERMINATED:
+        return f"■ {data.get('reason')}"
+    return None
 
 
 def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = None) -> None:

@@ -153,6 +153,7 @@ async def agent_think(ctx: RunContext) -> None:
         EventType.MODEL_REQUESTED,
         {"messages": len(messages), "tools": [t.name for t in offered]},
     )
+    await ctx.flush()  # before waiting on the model, the log shows what the run is waiting for
     started = ctx.clock.monotonic()
     choice = ctx.state_spec.tool_choice
     try:
@@ -219,6 +220,7 @@ async def tools_execute(ctx: RunContext) -> None:
     cap = ctx.limits.max_tool_calls_per_reply
     for call in calls[:cap]:
         ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
+        await ctx.flush()  # a crash during the call must leave "started, no result" in the log
         started = ctx.clock.monotonic()
         result = await ctx.tools.execute(call)
         duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)

@@ -7,7 +7,7 @@ also reachable as `ctx.model`, `ctx.tools`, `ctx.clock`, `ctx.record`) and its s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,10 @@ Recorder = Callable[[EventType, dict[str, Any]], None]
 
 
 def _no_record(_type: EventType, _data: dict[str, Any]) -> None:
+    return None
+
+
+async def _no_flush() -> None:
     return None
 
 
@@ -69,6 +73,8 @@ class RunServices:
     clock: Clock = field(default_factory=SystemClock)
     record: Recorder = _no_record
     """Appends an event to the run's log (the kernel wires this; a no-op in unit tests)."""
+    flush: Callable[[], Awaitable[None]] = _no_flush
+    """Makes the events recorded so far durable (before a side effect, e.g. a tool call)."""
 
 
 @dataclass(kw_only=True)
@@ -142,6 +148,10 @@ class RunContext:
     def record(self, type_: EventType, data: dict[str, Any]) -> None:
         """Append an event to the run's log."""
         self.services.record(type_, data)
+
+    async def flush(self) -> None:
+        """Wait until the events recorded so far are durable (call before a side effect)."""
+        await self.services.flush()
 
     def offered_tools(self) -> list[Tool]:
         """The tools to offer in the current state."""
