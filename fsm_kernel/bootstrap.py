@@ -77,7 +77,14 @@ class RunOptions:
         return replace(base, **self.given())
 
 
-RECORDED_SETTINGS = ("model", "base_url", "request_timeout", "max_retries", "max_response_bytes")
+RECORDED_SETTINGS = (
+    "model",
+    "base_url",
+    "request_timeout",
+    "max_retries",
+    "max_response_bytes",
+    "stream",
+)
 """The agent settings `run.started` records (with `workspace`) that a resume takes back."""
 
 
@@ -151,7 +158,7 @@ def agent_settings(
             "request_timeout": options.request_timeout,
             "max_retries": options.max_retries,
             "max_response_bytes": options.max_response_bytes,
-            **({"stream": options.stream} if options.stream is not None else {}),
+            "stream": options.stream,
         }
     )
 

@@ -57,6 +57,9 @@ class AgentSettings:
     """The most bytes one answer may have; a bigger one is refused, not read whole."""
     tool_choice: str = "auto"
     """Sent with every request that offers tools (see protocol.TOOL_CHOICES)."""
+    stream: bool = True
+    """Ask for the answer as server-sent events and hand its text on as it arrives; a server
+    that streams badly is then asked without (see HttpChatModel)."""
 
     def __post_init__(self) -> None:
         _check_number(
@@ -89,6 +92,8 @@ class AgentSettings:
             minimum=1,
             what="max response bytes must be a whole number of bytes > 0",
         )
+        if not isinstance(self.stream, bool):  # "false" would be truthy: refuse, never guess
+            raise _invalid("stream", "stream must be true or false", self.stream)
 
     def merged(self, overrides: Mapping[str, Any]) -> AgentSettings:
         """A copy with every non-None value of `overrides` applied.
@@ -125,6 +130,7 @@ _WHERE_SET: Mapping[str, str] = {
         "--max-response-bytes, FSM_KERNEL_MAX_RESPONSE_BYTES or agent.max_response_bytes in the "
         "workflow"
     ),
+    "stream": "--no-stream or FSM_KERNEL_STREAM",
 }
 """Where each checked setting comes from, so the error says what to fix."""
 
@@ -190,6 +196,20 @@ def _env_positive_int(environ: Mapping[str, str], name: str) -> int | None:
     return value
 
 
+_TRUE = frozenset({"1", "true"})
+_FALSE = frozenset({"0", "false"})
+
+
+def _env_bool(environ: Mapping[str, str], name: str) -> bool | None:
+    raw = _env(environ, name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1, 0, true or false)")
+
+
 def agent_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The agent overrides the environment gives (unset ones omitted)."""
     environ = os.environ if environ is None else environ
@@ -200,6 +220,7 @@ def agent_settings_from_env(environ: Mapping[str, str] | None = None) -> dict[st
         "request_timeout": _env_number(environ, "FSM_KERNEL_REQUEST_TIMEOUT", float),
         "max_retries": _env_number(environ, "FSM_KERNEL_MAX_RETRIES", int),
         "max_response_bytes": _env_positive_int(environ, "FSM_KERNEL_MAX_RESPONSE_BYTES"),
+        "stream": _env_bool(environ, "FSM_KERNEL_STREAM"),
     }
     return {k: v for k, v in found.items() if v is not None}
 

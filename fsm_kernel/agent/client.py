@@ -1,9 +1,10 @@
 """HttpChatModel: the httpx client for OpenAI-compatible `/chat/completions` servers. Owns
-timeouts (a deadline per attempt), the response size cap, retries with backoff, and the
+timeouts (a deadline per attempt), the response size cap, retries with backoff, streaming
+(server-sent events, their text handed to fsm_kernel.streaming as it arrives), and the
 translation of every httpx failure and error status into fsm_kernel.errors types; nothing from
 httpx escapes this module. Every error and log line built from server text is redacted here, at
 the source, so an API key a server echoes back never reaches an exception. Imports protocol,
-config, errors, redact and agent.wire only.
+config, errors, redact, streaming and agent.wire only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from typing import Any, TypeVar
 import httpx
 
 from fsm_kernel.agent.wire import (
+    SseDecoder,
+    SseEvent,
+    StreamAssembler,
+    StreamFormatError,
+    StreamServerError,
+    chunk_from_sse,
     completion_from_wire,
     messages_to_wire,
     tool_choice_to_wire,
@@ -45,6 +52,7 @@ from fsm_kernel.errors import (
 )
 from fsm_kernel.protocol import Completion, Message, Tool
 from fsm_kernel.redact import redact, register_secret
+from fsm_kernel.streaming import emit_notice, emit_text
 
 __all__ = ["HttpChatModel"]
 
@@ -57,6 +65,8 @@ MAX_RETRY_AFTER = 60.0
 _MESSAGE_LIMIT = 300
 _BODY_LIMIT = 2000
 _RETRY_STATUSES = frozenset({408, 409, 429})
+_EVENT_STREAM = "text/event-stream"
+_STREAM_HEADERS = {"Accept": "text/event-stream, application/json"}
 _CONNECT_HINT = "is Ollama (or your model server) running? set --base-url or FSM_KERNEL_BASE_URL"
 # Servers that cannot do tool calling say so with a 400 (Ollama, vLLM) or a 500 (old llama.cpp);
 # retrying never helps (llm-servers.md §5.11).
@@ -91,8 +101,24 @@ class _Answer:
             return self.content.decode("utf-8", errors="replace")
 
 
+@dataclass
+class _Progress:
+    """What the attempts of one `complete()` call have got to."""
+
+    streamed: bool = False
+    """An attempt's stream had begun: a retry starts the answer over, and watchers are told."""
+
+
 class HttpChatModel:
     """A ChatModel that POSTs to `{base_url}/chat/completions`.
+
+    With `settings.stream`, answers are asked for as server-sent events: the text is handed to
+    `fsm_kernel.streaming.emit_text` as it arrives, and the chunks are assembled into the same
+    Completion an unstreamed answer gives. A stream broken off before its end is retried like a
+    lost connection (the notice `stream_restarted` comes first: the text starts over). A server
+    that streams badly (not SSE, chunks that are not JSON) is asked again without streaming, and
+    never asked to stream again by this instance (the notice `stream_fallback` and a warning
+    say so). A plain JSON answer to a streaming request is taken as it is.
 
     Usable from several event loops in turn (connections are not kept alive between calls).
     Close it with `aclose()` or use it as an async context manager.
@@ -127,6 +153,8 @@ class HttpChatModel:
         self._shown_url = redact(self._base_url)
         self._sleep = sleep
         self._random = random
+        self._streams = settings.stream
+        """False once the server has streamed badly: every later call asks without."""
         self._client = httpx.AsyncClient(
             auth=auth,
             headers=_headers(settings.api_key),
@@ -176,15 +204,20 @@ class HttpChatModel:
         payload = self._payload(messages, tools, tool_choice or self._settings.tool_choice)
         retries = max(self._settings.max_retries, 0)
         attempt = 0
+        progress = _Progress()
         while True:
             try:
-                return await self._attempt(payload, attempt)
+                return await self._attempt(payload, attempt, progress)
             except AgentError as exc:
                 if not exc.retryable or attempt >= retries:
                     raise
                 delay = self._retry_delay(exc, attempt)
                 attempt += 1
                 logger.warning("%s; retry %d of %d in %.2fs", exc.message, attempt, retries, delay)
+                if progress.streamed:
+                    # Watchers saw part of an answer that is now asked for again.
+                    progress.streamed = False
+                    emit_notice("stream_restarted", attempt=attempt + 1, reason=exc.message)
                 await self._sleep(delay)
 
     def _payload(
@@ -208,7 +241,7 @@ class HttpChatModel:
         retry_after = exc.retry_after if isinstance(exc, AgentHTTPError) else None
         if retry_after is not None and retry_after > 0:
             return min(retry_after, MAX_RETRY_AFTER)
-        backoff = min(INITIAL_RETRY_DELAY * 2**attempt, MAX_RETRY_DELAY)
+        backoff = min(INITIAL_RETRY_DELAY * float(2**attempt), MAX_RETRY_DELAY)
         return backoff * (1 - 0.25 * self._random())
 
     def _error(self, kind: type[_E], message: str, **extra: Any) -> _E:
@@ -219,38 +252,74 @@ class HttpChatModel:
             extra["body"] = redact(extra["body"])
         return kind(redact(message), base_url=self._shown_url, **extra)
 
-    async def _attempt(self, payload: dict[str, Any], attempt: int) -> Completion:
+    async def _attempt(
+        self, payload: dict[str, Any], attempt: int, progress: _Progress
+    ) -> Completion:
+        streams = self._streams
         logger.debug(
-            "POST %s model=%s messages=%d tools=%d attempt=%d",
+            "POST %s model=%s messages=%d tools=%d attempt=%d stream=%s",
             redact(self._url),
             payload["model"],
             len(payload["messages"]),
             len(payload.get("tools", ())),
             attempt + 1,
+            streams,
         )
-        answer = await self._exchange(payload)
-        logger.debug("%s answered %d", self._shown_url, answer.status_code)
-        if not 200 <= answer.status_code < 300:
-            raise self._status_error(answer)
-        return self._parse(answer)
+        if not streams:
+            return await self._exchange(payload, progress)
+        streaming = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            return await self._exchange(streaming, progress)
+        except StreamFormatError as exc:
+            self._fall_back(str(exc), progress)
+        return await self._exchange(payload, progress)
 
-    async def _exchange(self, payload: dict[str, Any]) -> _Answer:
-        """Send the request and read the whole answer within one deadline of `request_timeout`
-        seconds (<= 0: none). httpx's read timeout alone is per read, so a server trickling a
-        byte a second would keep a "2 s" request alive forever."""
+    def _fall_back(self, reason: str, progress: _Progress) -> None:
+        """Stop streaming for good: a server that streams badly once will again."""
+        self._streams = False
+        progress.streamed = False
+        reason = redact(reason)
+        logger.warning(
+            "model server at %s streams badly (%s); asking without streaming from now on",
+            self._shown_url,
+            reason,
+        )
+        emit_notice("stream_fallback", reason=reason)
+
+    async def _exchange(self, payload: dict[str, Any], progress: _Progress) -> Completion:
+        """Send the request and read the whole answer (a stream to its end) within one deadline
+        of `request_timeout` seconds (<= 0: none). httpx's read timeout alone is per read, so a
+        server trickling a byte a second would keep a "2 s" request alive forever."""
         limit = self._settings.request_timeout
         deadline = asyncio.timeout(limit if limit > 0 else None)
         try:
             async with deadline:
-                return await self._post(payload)
+                answer = await self._post(payload, progress)
         except TimeoutError:
             if not deadline.expired():
                 raise
             raise self._error(AgentTimeoutError, self._timed_out_message()) from None
+        if isinstance(answer, Completion):
+            return answer
+        if not 200 <= answer.status_code < 300:
+            raise self._status_error(answer)
+        completion = self._parse(answer)
+        if self._settings.stream:
+            # Asked to stream but answered whole (a server that ignores `stream`, or after a
+            # fallback): watchers still get the answer's text, all at once.
+            emit_text(completion.message.content)
+        return completion
 
-    async def _post(self, payload: dict[str, Any]) -> _Answer:
+    async def _post(self, payload: dict[str, Any], progress: _Progress) -> _Answer | Completion:
+        """The answer read whole, or the Completion of a stream read to its end."""
+        headers = _STREAM_HEADERS if payload.get("stream") else None
         try:
-            async with self._client.stream("POST", self._url, json=payload) as response:
+            async with self._client.stream(
+                "POST", self._url, json=payload, headers=headers
+            ) as response:
+                logger.debug("%s answered %d", self._shown_url, response.status_code)
+                if payload.get("stream") and _is_event_stream(response):
+                    return await self._read_stream(response, progress)
                 content = await self._read_capped(response)
                 return _Answer(
                     status_code=response.status_code,
@@ -278,9 +347,7 @@ class HttpChatModel:
         Content-Length before reading anything, else while it streams in. A runaway or hostile
         server cannot make the client buffer an unbounded answer."""
         cap = self._settings.max_response_bytes
-        declared = _content_length(response.headers)
-        if declared is not None and declared > cap:
-            raise self._too_big(f" (Content-Length {declared})")
+        self._check_declared_size(response)
         chunks: list[bytes] = []
         size = 0
         async for chunk in response.aiter_bytes():
@@ -289,6 +356,84 @@ class HttpChatModel:
                 raise self._too_big("")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _check_declared_size(self, response: httpx.Response) -> None:
+        declared = _content_length(response.headers)
+        if declared is not None and declared > self._settings.max_response_bytes:
+            raise self._too_big(f" (Content-Length {declared})")
+
+    async def _read_stream(self, response: httpx.Response, progress: _Progress) -> Completion:
+        """Read server-sent events to `[DONE]` (or the end of the body after a finish reason),
+        showing the text as it comes. The size cap counts the bytes of the stream.
+
+        Raises:
+            StreamFormatError: the server streams badly (the caller falls back).
+            AgentConnectionError: the stream broke off before the answer was whole.
+        """
+        progress.streamed = True
+        self._check_declared_size(response)
+        assembler = StreamAssembler()
+        try:
+            ended = await self._read_events(response, assembler)
+        except httpx.TimeoutException:
+            raise
+        except httpx.TransportError as exc:
+            if not assembler.finished:
+                raise self._broken_off() from exc
+            ended = True  # the answer was whole; only the goodbye was lost
+        if not (ended or assembler.finished):
+            raise self._broken_off()
+        emit_text(assembler.end())
+        body = assembler.body()
+        if not body["choices"]:
+            raise StreamFormatError("the stream carried no answer")
+        return self._normalise(body)
+
+    async def _read_events(self, response: httpx.Response, assembler: StreamAssembler) -> bool:
+        """Feed the stream to `assembler`; True once `[DONE]` arrived."""
+        decoder = SseDecoder()
+        size = 0
+        async for data in response.aiter_bytes():
+            size += len(data)
+            if size > self._settings.max_response_bytes:
+                raise self._too_big("")
+            if self._take_events(decoder.feed(data), assembler, response.headers):
+                return True
+        return self._take_events(decoder.close(), assembler, response.headers)
+
+    def _take_events(
+        self, events: Sequence[SseEvent], assembler: StreamAssembler, headers: Mapping[str, str]
+    ) -> bool:
+        for event in events:
+            if event.is_done:
+                return True
+            chunk = chunk_from_sse(event)
+            if chunk is None:
+                continue
+            try:
+                text = assembler.add(chunk)
+            except StreamServerError as exc:
+                raise self._stream_error(exc, headers) from None
+            emit_text(text)
+        return False
+
+    def _stream_error(self, exc: StreamServerError, headers: Mapping[str, str]) -> AgentError:
+        """An error chunk, raised as the error its code stands for (a 200 carried it)."""
+        answer = _Answer(
+            status_code=exc.status,
+            reason_phrase="",
+            headers=headers,
+            content=json.dumps(exc.body).encode(),
+            encoding="utf-8",
+        )
+        return self._status_error(answer, note=" (reported in the middle of the stream)")
+
+    def _broken_off(self) -> AgentConnectionError:
+        return self._error(
+            AgentConnectionError,
+            f"model server at {self._shown_url} broke off the stream before the answer was "
+            "complete",
+        )
 
     def _too_big(self, detail: str) -> AgentResponseError:
         cap = self._settings.max_response_bytes
@@ -328,6 +473,9 @@ class HttpChatModel:
                 f"model server at {self._shown_url} sent a response that is not JSON: "
                 f"{_shorten(redact(answer.text), 120)!r}",
             ) from None
+        return self._normalise(body)
+
+    def _normalise(self, body: Any) -> Completion:
         try:
             return completion_from_wire(body)
         except AgentResponseError as exc:
@@ -336,7 +484,7 @@ class HttpChatModel:
                 f"model server at {self._shown_url} sent an unusable response: {exc.message}",
             ) from None
 
-    def _status_error(self, answer: _Answer) -> AgentError:
+    def _status_error(self, answer: _Answer, *, note: str = "") -> AgentError:
         status = answer.status_code
         detail = _ErrorDetail.from_answer(answer)
         if not 400 <= status < 600:
@@ -347,7 +495,7 @@ class HttpChatModel:
         kind, message = self._describe_status(status, detail)
         return self._error(
             kind,
-            message,
+            message + note,
             status_code=status,
             # Redacted before it is cut, so a cut cannot leave half a key behind.
             body=_shorten(redact(answer.text), _BODY_LIMIT),
@@ -461,6 +609,12 @@ def _endpoint(base_url: str) -> tuple[str, httpx.BasicAuth | None]:
     register_secret(url.password)
     bare = httpx.URL(endpoint).copy_with(userinfo=b"")
     return str(bare), httpx.BasicAuth(url.username, url.password)
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    """A successful answer in SSE; anything else (JSON, an error page) is read whole."""
+    kind = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+    return 200 <= response.status_code < 300 and kind == _EVENT_STREAM
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Conversion between protocol types and the OpenAI chat-completions JSON, smoothing over the
-quirks of compatible servers (Ollama, vLLM, llama.cpp, LM Studio, ...). Pure: no I/O, no httpx.
-Imports only fsm_kernel.protocol and fsm_kernel.errors.
+quirks of compatible servers (Ollama, vLLM, llama.cpp, LM Studio, ...), streamed answers
+(server-sent events) included. Pure: no I/O, no httpx. Imports only fsm_kernel.protocol and
+fsm_kernel.errors.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ import re
 import secrets
 import string
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_kernel.errors import AgentResponseError
 from fsm_kernel.protocol import TOOL_CHOICES, Completion, Message, Role, Tool, ToolCall, Usage
 
 __all__ = [
+    "SseDecoder",
+    "SseEvent",
+    "StreamAssembler",
+    "StreamFormatError",
+    "StreamServerError",
+    "chunk_from_sse",
     "completion_from_wire",
     "message_from_wire",
     "messages_from_wire",
@@ -319,13 +327,13 @@ def _unique_id(raw: Any, used: set[str], id_factory: IdFactory) -> str:
 
 def _tool_call_from_wire(entry: Any, call_id: str) -> ToolCall:
     if not isinstance(entry, dict):
-        raw = json.dumps(entry, ensure_ascii=False)
-        error = f"the tool call is a JSON {_json_type(entry)}, not an object"
-        return ToolCall(id=call_id, name="", raw_arguments=raw, arguments_error=error)
+        problem = f"the tool call is a JSON {_json_type(entry)}, not an object"
+        dumped = json.dumps(entry, ensure_ascii=False)
+        return ToolCall(id=call_id, name="", raw_arguments=dumped, arguments_error=problem)
     # Stale llama.cpp docs show calls without the `function` wrapper.
-    fn = entry.get("function") if isinstance(entry.get("function"), dict) else entry
-    name = fn.get("name")
-    name = name.strip() if isinstance(name, str) else ""
+    fn: dict[str, Any] = entry["function"] if isinstance(entry.get("function"), dict) else entry
+    raw_name = fn.get("name")
+    name = raw_name.strip() if isinstance(raw_name, str) else ""
     # Some models say `parameters` (Ollama PR #12413).
     raw_args = fn["arguments"] if "arguments" in fn else fn.get("parameters")
     arguments, raw, error = _parse_arguments(raw_args)
@@ -368,4 +376,415 @@ def _json_type(value: Any) -> str:
         return "boolean"
     if isinstance(value, int | float):
         return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+# --- streamed answers: server-sent events -> the body of an unstreamed answer -------------------
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_FIELD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*\Z")
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+# Statuses that an in-stream error's `code`/`type` words stand for, checked in order.
+_ERROR_WORDS: tuple[tuple[str, int], ...] = (
+    ("insufficient_quota", 429),
+    ("rate_limit", 429),
+    ("invalid_api_key", 401),
+    ("authentication", 401),
+    ("permission", 403),
+    ("not_found", 404),
+    ("invalid_request", 400),
+    ("bad_request", 400),
+    ("tool_use_failed", 400),  # Groq
+    ("context_length", 400),
+)
+
+
+class StreamFormatError(ValueError):
+    """The answer is not server-sent events carrying chat-completion chunks: a line that is no
+    SSE field, data that is not a JSON object, a chunk of the wrong shape."""
+
+
+class StreamServerError(Exception):
+    """A chunk reports an error instead of a delta (`data: {"error": ...}` while the HTTP status
+    stays 200: OpenAI, Groq, vLLM). `body` is the chunk; `status` the HTTP status its code or
+    type stands for (500 when it says nothing usable)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(_one_line(body.get("error", body)))
+        self.body = body
+        self.status = _error_status(body.get("error", body))
+
+
+def _error_status(error: Any) -> int:
+    if not isinstance(error, dict):
+        return 500
+    for key in ("status", "status_code", "code"):  # llama.cpp and vLLM send an HTTP code
+        value = error.get(key)
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 400 <= value < 600:
+            return value
+    words = f"{error.get('code') or ''} {error.get('type') or ''}".lower()
+    return next((status for word, status in _ERROR_WORDS if word in words), 500)
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    """One server-sent event: its `data` lines joined by newlines, and its `event` name."""
+
+    data: str
+    event: str = "message"
+
+    @property
+    def is_done(self) -> bool:
+        """OpenAI's end-of-stream marker, `data: [DONE]`."""
+        return self.data.strip() == "[DONE]"
+
+
+class SseDecoder:
+    """Server-sent events from the bytes of a stream, fed in pieces as they arrive.
+
+    Lines may end in LF, CRLF or CR (a CRLF split across two pieces included); comment lines
+    (`: ping`) and the `id`/`retry` fields are skipped; the event still open when the stream ends
+    is given by `close()`. A line that is no SSE field at all (NDJSON, an HTML page) raises
+    StreamFormatError, where the SSE spec would skip it, so a server that answers in another
+    format is caught.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no line end
+        self._data: list[str] = []
+        self._event = ""
+        self._first = True
+
+    def feed(self, data: bytes) -> list[SseEvent]:
+        """The events that `data` completes.
+
+        Raises:
+            StreamFormatError: a line is not UTF-8 or not an SSE field.
+        """
+        self._buffer += data
+        return self._events(self._lines(final=False))
+
+    def close(self) -> list[SseEvent]:
+        """The events left when the stream ends (an unterminated last line or event)."""
+        return self._events([*self._lines(final=True), ""])
+
+    def _lines(self, *, final: bool) -> list[str]:
+        buffer, lines, start = self._buffer, [], 0
+        for match in _LINE_END.finditer(buffer, self._scanned):
+            if match.group() == b"\r" and match.end() == len(buffer) and not final:
+                break  # maybe the first half of a CRLF
+            lines.append(self._decode(bytes(buffer[start : match.start()])))
+            start = match.end()
+        del buffer[:start]
+        if final and buffer:
+            lines.append(self._decode(bytes(buffer)))
+            buffer.clear()
+        self._scanned = max(len(buffer) - 1, 0)
+        return lines
+
+    def _decode(self, raw: bytes) -> str:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise StreamFormatError("the stream is not UTF-8 text") from None
+        if self._first:
+            self._first = False
+            line = line.removeprefix("\ufeff")
+        return line
+
+    def _events(self, lines: Sequence[str]) -> list[SseEvent]:
+        events = [self._line(line) for line in lines]
+        return [e for e in events if e is not None]
+
+    def _line(self, line: str) -> SseEvent | None:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif not _FIELD_NAME.match(name):
+            raise StreamFormatError(f"not a server-sent event line: {_one_line(line, 80)!r}")
+        return None
+
+    def _dispatch(self) -> SseEvent | None:
+        data, event = self._data, self._event or "message"
+        self._data, self._event = [], ""
+        return SseEvent("\n".join(data), event) if data else None
+
+
+def chunk_from_sse(event: SseEvent) -> dict[str, Any] | None:
+    """The chunk an event carries; None for `[DONE]` and empty data. An `event: error` (Groq)
+    gives an error chunk whatever its data.
+
+    Raises:
+        StreamFormatError: the data is not a JSON object.
+    """
+    data = event.data.strip()
+    if not data or event.is_done:
+        return None
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        if event.event == "error":
+            return {"error": {"message": data}}
+        raise StreamFormatError(f"an event's data is not JSON: {_one_line(data, 80)!r}") from None
+    if event.event == "error" and not (isinstance(chunk, dict) and chunk.get("error")):
+        return {"error": chunk}
+    if not isinstance(chunk, dict):
+        raise StreamFormatError(f"an event's data is a JSON {_json_type(chunk)}, not an object")
+    return chunk
+
+
+@dataclass
+class _StreamedCall:
+    """One tool call being assembled from deltas."""
+
+    id: str | None = None
+    name: str = ""
+    parts: list[str] = field(default_factory=list)
+    value: Any = None
+    """Arguments sent whole as a JSON value (llama.cpp, Ollama), not as string fragments."""
+
+    def add_arguments(self, raw: Any) -> None:
+        if isinstance(raw, str):
+            if raw or self.value is None:
+                self.parts.append(raw)
+                self.value = None
+        elif raw is not None:
+            self.parts.clear()
+            self.value = raw
+
+    @property
+    def arguments(self) -> Any:
+        return "".join(self.parts) if self.parts else self.value
+
+    def is_complete(self) -> bool:
+        """Whether the arguments so far are a whole JSON object (cheap test first)."""
+        if self.value is not None:
+            return True
+        last = next((p for p in reversed(self.parts) if p.strip()), "")
+        if not last.rstrip().endswith("}"):
+            return False
+        try:
+            return isinstance(json.loads("".join(self.parts)), dict)
+        except json.JSONDecodeError:
+            return False
+
+    def to_wire(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+class _ThinkFilter:
+    """The part of streamed content to show: `<think>…</think>` blocks left out (a tag split
+    across deltas included) and leading whitespace dropped, as `_split_reasoning` does."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._inside = False
+        self._shown = False
+
+    def feed(self, text: str) -> str:
+        held, out = self._held + text, []
+        while held:
+            tag = _THINK_CLOSE if self._inside else _THINK_OPEN
+            at = held.find(tag)
+            if at < 0:
+                keep = _partial_tag(held, tag)
+                if not self._inside:
+                    out.append(held[: len(held) - keep])
+                held = held[len(held) - keep :]
+                break
+            if not self._inside:
+                out.append(held[:at])
+            held = held[at + len(tag) :]
+            self._inside = not self._inside
+        self._held = held
+        return self._show("".join(out))
+
+    def end(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self._inside else self._show(held)
+
+    def _show(self, text: str) -> str:
+        if not self._shown:
+            text = text.lstrip()
+            self._shown = bool(text)
+        return text
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def _stream_id(raw: Any) -> str | None:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return str(raw)
+    return raw if isinstance(raw, str) and raw.strip() else None
+
+
+def _has_name(fn: dict[str, Any]) -> bool:
+    name = fn.get("name")
+    return isinstance(name, str) and bool(name.strip())
+
+
+def _has_arguments(fn: dict[str, Any]) -> bool:
+    raw = fn["arguments"] if "arguments" in fn else fn.get("parameters")
+    return raw is not None and not (isinstance(raw, str) and not raw.strip())
+
+
+class StreamAssembler:
+    """The chunks of a streamed answer, in order, assembled into the body the same request would
+    have got unstreamed: `completion_from_wire(assembler.body())` then normalises both alike.
+
+    Absorbs the servers' streaming quirks (llm-servers.md §1.3, §4): argument fragments keyed
+    by `index` with the id and name in the first only (OpenAI); whole calls in one delta, all at
+    index 0 (Ollama #15457: a new id with a name starts a new call; so does a named delta with
+    arguments after a complete call, for Ollama builds without ids) or with no index at all;
+    missing ids (synthesised later); names resent with every fragment (vLLM #13078); arguments
+    as a JSON object; `reasoning_content`/`reasoning`/`thinking` deltas; usage in a last chunk
+    with empty `choices`, or none; a null finish reason at the end. Only the first choice counts.
+    """
+
+    def __init__(self) -> None:
+        self._content: list[str] = []
+        self._refusal: list[str] = []
+        self._reasoning: dict[str, list[str]] = {}
+        self._calls: list[_StreamedCall] = []
+        self._by_index: dict[int, _StreamedCall] = {}
+        self._by_id: dict[str, _StreamedCall] = {}
+        self._finish: str | None = None
+        self._top: dict[str, Any] = {}
+        self._has_choice = False
+        self._shown = _ThinkFilter()
+
+    @property
+    def finished(self) -> bool:
+        """Whether a finish reason arrived (the answer is whole even if `[DONE]` never does)."""
+        return self._finish is not None
+
+    def add(self, chunk: Any) -> str:
+        """Take the next chunk. Returns the answer text it adds, to show as it arrives: never
+        reasoning, and not `<think>` blocks (text that may begin a tag is held back until the
+        next chunk or `end()`).
+
+        Raises:
+            StreamServerError: the chunk reports an error.
+            StreamFormatError: the chunk is not shaped like a chat-completion chunk.
+        """
+        if not isinstance(chunk, dict):
+            raise StreamFormatError(f"a chunk is a JSON {_json_type(chunk)}, not an object")
+        if chunk.get("error"):
+            raise StreamServerError(chunk)
+        self._take_top(chunk)
+        choices = chunk.get("choices")
+        if choices is None:
+            return ""
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise StreamFormatError("a chunk's choices are not a list of objects")
+        return "".join(self._take_choice(c) for c in choices if c.get("index") in (0, None))
+
+    def end(self) -> str:
+        """The shown text still held back when the stream ends (a lone `<thi`, say)."""
+        return self._shown.end()
+
+    def body(self) -> dict[str, Any]:
+        """A chat-completion body with what arrived so far (no choices if none did)."""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        for key, parts in self._reasoning.items():
+            message[key] = "".join(parts)
+        if self._refusal:
+            message["refusal"] = "".join(self._refusal)
+        if self._calls:
+            message["tool_calls"] = [c.to_wire() for c in self._calls]
+        choice = {"index": 0, "message": message, "finish_reason": self._finish}
+        choices = [choice] if self._has_choice else []
+        return {"object": "chat.completion", **self._top, "choices": choices}
+
+    def _take_top(self, chunk: dict[str, Any]) -> None:
+        for key in ("id", "model"):
+            if isinstance(chunk.get(key), str) and key not in self._top:
+                self._top[key] = chunk[key]
+        if isinstance(chunk.get("usage"), dict):  # null on every chunk but the last (OpenAI)
+            self._top["usage"] = chunk["usage"]
+
+    def _take_choice(self, choice: dict[str, Any]) -> str:
+        self._has_choice = True
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            self._finish = reason
+        delta = choice["delta"] if "delta" in choice else choice.get("message")
+        if delta is None:
+            return ""
+        if not isinstance(delta, dict):
+            raise StreamFormatError(f"a chunk's delta is a JSON {_json_type(delta)}")
+        for key in _REASONING_FIELDS:
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                self._reasoning.setdefault(key, []).append(value)
+        if isinstance(delta.get("refusal"), str):
+            self._refusal.append(delta["refusal"])
+        self._take_calls(delta.get("tool_calls"))
+        text = _content_text(delta.get("content"))
+        self._content.append(text)
+        return self._shown.feed(text)
+
+    def _take_calls(self, raw: Any) -> None:
+        if raw is None:
+            return
+        entries = [raw] if isinstance(raw, dict) else raw
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise StreamFormatError("a chunk's tool_calls are not a list of objects")
+        for entry in entries:
+            # Stale llama.cpp docs show calls without the `function` wrapper.
+            fn = entry["function"] if isinstance(entry.get("function"), dict) else entry
+            call = self._call_for(entry, fn)
+            call_id = _stream_id(entry.get("id"))
+            if call.id is None and call_id is not None:  # the first id given counts
+                call.id = call_id
+                self._by_id.setdefault(call_id, call)
+            if _has_name(fn) and not call.name:  # set once: vLLM resends it with each fragment
+                call.name = fn["name"].strip()
+            call.add_arguments(fn["arguments"] if "arguments" in fn else fn.get("parameters"))
+
+    def _call_for(self, entry: dict[str, Any], fn: dict[str, Any]) -> _StreamedCall:
+        index = entry.get("index", fn.get("index"))  # Ollama native nests it in `function`
+        call_id = _stream_id(entry.get("id"))
+        if isinstance(index, int) and not isinstance(index, bool):
+            current = self._by_index.get(index)
+            if current is None or self._starts_new(current, call_id, fn):
+                current = self._by_index[index] = self._new_call()
+            return current
+        if call_id is not None:  # no index (Ollama before 0.4.7, some proxies)
+            return self._by_id.get(call_id) or self._new_call()
+        if _has_name(fn) or not self._calls:
+            return self._new_call()
+        return self._calls[-1]  # an anonymous fragment continues the last call
+
+    @staticmethod
+    def _starts_new(current: _StreamedCall, call_id: str | None, fn: dict[str, Any]) -> bool:
+        if not _has_name(fn):
+            return False
+        if call_id is not None and current.id is not None and call_id != current.id:
+            return True
+        return call_id is None and _has_arguments(fn) and current.is_complete()
+
+    def _new_call(self) -> _StreamedCall:
+        call = _StreamedCall()
+        self._calls.append(call)
+        return call

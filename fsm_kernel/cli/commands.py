@@ -76,6 +76,13 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
         help="retries on connection errors, 429 and 5xx (default 3)",
     )
     g.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_const",
+        const=False,
+        help="ask for whole answers instead of streamed ones (for servers that stream badly)",
+    )
+    g.add_argument(
         "--max-response-bytes",
         type=count(1, 2**40),
         metavar="N",
@@ -151,6 +158,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         request_timeout=args.request_timeout,
         max_retries=args.max_retries,
         max_response_bytes=args.max_response_bytes,
+        stream=args.stream,
         max_iterations=args.max_iterations,
         timeout_seconds=args.timeout_seconds,
         system_prompt=getattr(args, "system_prompt", None),

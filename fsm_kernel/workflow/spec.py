@@ -122,6 +122,12 @@ class AgentBlock(_Model):
     max_response_bytes: int | None = Field(
         default=None, gt=0, description="Largest model response accepted, in bytes"
     )
+    stream: bool | None = Field(
+        default=None,
+        strict=True,
+        description="Ask for streamed answers (default true; false for a server that streams "
+        "badly)",
+    )
     tool_choice: str | None = Field(
         default=None,
         pattern=_TOOL_CHOICE_PATTERN,

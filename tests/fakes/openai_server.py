@@ -36,11 +36,27 @@ Each POST to `/v1/chat/completions` takes the next reply from the queue. Replies
   every `interval` seconds (a server that is slow but never silent; ends when the server stops).
 * `chunked(then)`: send `then` with `Transfer-Encoding: chunked` and no Content-Length.
 * `disconnect()`: close the connection without answering.
+* `sse_reply(*events, done=True, crlf=False, cut_after=None)`: server-sent events written as
+  given (a dict is sent as `data: <json>`, a str verbatim, e.g. `": ping\n\n"` or
+  `"data: not json\n\n"`), then `data: [DONE]` unless `done=False`; for bad streams and
+  mid-stream errors.
+* `streamed(then, style)`: `then`, streamed in `style` (a StreamStyle) when the request asks.
 * a plain dict: a full response body sent as-is with status 200 (for quirk tests).
 * a callable `fn(request_body) -> reply`: decides from the request.
 
 Generated replies echo the request's `model` and carry `usage`. When the queue is empty the
 server answers 500 with a body saying the script ran out, and records that in `.errors`.
+
+Streaming: a request with `"stream": true` gets each generated reply (`text_reply`,
+`tool_reply`) as server-sent events (`text/event-stream`, chunked), in the server's
+`stream_style` unless the reply has its own (`streamed`): text cut into pieces, tool-call
+arguments into fragments (OpenAI style, `StreamStyle()`) or each call whole in one delta, all
+at index 0 (`OLLAMA_STYLE`), usage in a last chunk with empty choices when the request asks
+(`stream_options.include_usage`), then `data: [DONE]`; `StreamStyle` also has CRLF line ends,
+`: ping` comments, a null final finish reason, no usage, no ids, a pause between events and a
+connection dropped after N events. So every scripted reply works whether or not the client
+streams. Other replies (errors, raw bodies, plain dicts) are sent as they are; with
+`stream_style=None` the server answers every request with plain JSON.
 
 Connections close after each answer unless `keep_alive=True` (then they stay open as with a
 real server; `stop()` still ends them at once).
@@ -61,7 +77,8 @@ Script mode, for running the `fsm-kernel` CLI in a subprocess::
 `{"tool_calls": [{"name": "...", "arguments": {...}, "id": "..."}], "content": "..."}`,
 `{"status": 500, "body": ..., "headers": {...}, "echo_auth": true}`, `{"raw": "...", "status":
 200}`, `{"hang": 5, "then": {...}}`, `{"trickle": 0.1, "then": {...}}`, `{"chunked": true,
-"then": {...}}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare string (a
+"then": {...}}`, `{"stream": {StreamStyle fields}, "then": {...}}`, `{"sse": [event, ...],
+"done": true}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare string (a
 text reply). The server prints `READY http://127.0.0.1:PORT/v1` on one line (flushed)
 and serves until killed; `--requests-log FILE` appends each request body as a JSON line, flushed
 at once so it survives a SIGKILL of the client. Run it from the repository root (or run the file
@@ -93,17 +110,23 @@ __all__ = [
     "API_KEY",
     "AUTHORIZATION",
     "ENDPOINT",
+    "OLLAMA_STYLE",
+    "OPENAI_STYLE",
     "FakeOpenAIServer",
     "Reply",
     "ReplyLike",
+    "StreamStyle",
     "call",
     "chunked",
+    "completion_chunks",
     "disconnect",
     "hang",
     "http_error",
     "main",
     "raw_body",
     "reply_from_spec",
+    "sse_reply",
+    "streamed",
     "text_reply",
     "tool_reply",
     "trickle",
@@ -118,6 +141,44 @@ AUTHORIZATION = "$AUTHORIZATION"
 API_KEY = "$API_KEY"
 """In an `echo_auth` reply: replaced by the Authorization value without its `Bearer ` prefix."""
 _CHUNK_SIZE = 64 * 1024
+_JSON = "application/json"
+_EVENT_STREAM = "text/event-stream"
+
+
+@dataclass(frozen=True)
+class StreamStyle:
+    """How a generated reply is streamed (see the module docstring)."""
+
+    text_piece: int = 3
+    """Characters per content or reasoning delta (0: all in one)."""
+    args_piece: int = 5
+    """Characters per argument fragment after a call's first delta, which carries its id and
+    name (OpenAI); 0: each call whole in one delta (Ollama)."""
+    call_index: str = "sequential"
+    """`sequential` (0, 1, ...), `zero` (every call at index 0, Ollama #15457) or `none`."""
+    call_ids: bool = True
+    """False: calls without ids (old Ollama, vLLM #18412)."""
+    repeat_role: bool = False
+    """Every delta repeats `role: assistant` and `content: ""` (Ollama)."""
+    usage: str = "chunk"
+    """`chunk`: a last chunk with empty choices (when the request asks for usage); `finish`: on
+    the finish chunk; `none`: no usage at all."""
+    finish_reason: bool = True
+    """False: the final chunk's finish reason is null (Ollama, vLLM #27572)."""
+    done: bool = True
+    """End with `data: [DONE]`."""
+    crlf: bool = False
+    """End lines with CRLF."""
+    ping: bool = False
+    """A `: ping` comment line before every event."""
+    interval: float = 0.0
+    """Seconds between events (cut short when the server stops)."""
+    cut_after: int | None = None
+    """Drop the connection after this many events, in the middle of the body."""
+
+
+OPENAI_STYLE = StreamStyle()
+OLLAMA_STYLE = StreamStyle(args_piece=0, call_index="zero", repeat_role=True)
 
 
 @dataclass(frozen=True)
@@ -142,6 +203,14 @@ class Reply:
     """Seconds between bytes of the body (0: send it at once); the headers go first."""
     chunked: bool = False
     """Send the body with `Transfer-Encoding: chunked` instead of a Content-Length."""
+    content_type: str = _JSON
+    stream_style: StreamStyle | None = None
+    """How to stream a generated completion (None: the server's style)."""
+    events: tuple[bytes, ...] | None = None
+    """Server-sent events, written (chunked) one at a time instead of a body."""
+    event_interval: float = 0.0
+    cut_after: int | None = None
+    """Drop the connection after this many events, without ending the body."""
 
 
 ReplyLike = Reply | Mapping[str, Any] | Callable[[dict[str, Any]], Any]
@@ -244,6 +313,110 @@ def chunked(then: ReplyLike) -> Reply:
     return replace(_to_reply(then, {}), chunked=True)
 
 
+def streamed(then: ReplyLike, style: StreamStyle) -> Reply:
+    """`then` (a generated reply), streamed in `style` when the request asks for a stream."""
+    return replace(_to_reply(then, {}), stream_style=style)
+
+
+def sse_reply(
+    *events: Mapping[str, Any] | str,
+    done: bool = True,
+    crlf: bool = False,
+    cut_after: int | None = None,
+) -> Reply:
+    """Server-sent events as given: a dict is sent as `data: <json>`, a str verbatim (bring its
+    own blank line). `done`: end with `data: [DONE]`. `cut_after`: drop the connection after
+    that many events."""
+    end = "\r\n" if crlf else "\n"
+    texts = [e if isinstance(e, str) else f"data: {json.dumps(e)}{end}{end}" for e in events]
+    if done:
+        texts.append(f"data: [DONE]{end}{end}")
+    encoded = tuple(t.encode() for t in texts)
+    return Reply(content_type=_EVENT_STREAM, chunked=True, events=encoded, cut_after=cut_after)
+
+
+def completion_chunks(
+    body: Mapping[str, Any], style: StreamStyle = OPENAI_STYLE, *, include_usage: bool = True
+) -> list[dict[str, Any]]:
+    """The `chat.completion.chunk` objects a server streaming `body` in `style` would send."""
+    choice = body["choices"][0]
+    message = choice.get("message") or {}
+    head = {k: body[k] for k in ("id", "created", "model") if k in body}
+    head["object"] = "chat.completion.chunk"
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    for key in ("reasoning_content", "reasoning", "content"):
+        if isinstance(message.get(key), str) and message[key]:
+            deltas += [{key: piece} for piece in _pieces(message[key], style.text_piece)]
+    for index, tool_call in enumerate(message.get("tool_calls") or ()):
+        deltas += _call_deltas(index, tool_call, style)
+    if style.repeat_role:
+        deltas = [{"role": "assistant", "content": "", **delta} for delta in deltas]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+    ]
+    finish = choice.get("finish_reason") if style.finish_reason else None
+    last: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
+    usage = body.get("usage")
+    if usage is not None and style.usage == "finish":
+        last["usage"] = usage
+    chunks.append(last)
+    if usage is not None and style.usage == "chunk" and include_usage:
+        chunks.append({**head, "choices": [], "usage": usage})
+    return chunks
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    if size <= 0:
+        return [text]
+    return [text[start : start + size] for start in range(0, len(text), size)]
+
+
+def _call_deltas(index: int, tool_call: Mapping[str, Any], style: StreamStyle) -> list[Any]:
+    fn = tool_call.get("function") or {}
+    arguments = fn.get("arguments")
+    entry: dict[str, Any] = {}
+    if style.call_index != "none":
+        entry["index"] = index if style.call_index == "sequential" else 0
+    if style.call_ids and tool_call.get("id") is not None:
+        entry["id"] = tool_call["id"]
+    entry["type"] = "function"
+    if style.args_piece <= 0 or not isinstance(arguments, str):
+        return [
+            {
+                "tool_calls": [
+                    {**entry, "function": {"name": fn.get("name"), "arguments": arguments}}
+                ]
+            }
+        ]
+    first = {"tool_calls": [{**entry, "function": {"name": fn.get("name"), "arguments": ""}}]}
+    key = {k: v for k, v in entry.items() if k == "index"}  # fragments carry only the index
+    return [first] + [
+        {"tool_calls": [{**key, "function": {"arguments": piece}}]}
+        for piece in _pieces(arguments, style.args_piece)
+    ]
+
+
+def _stream(reply: Reply, style: StreamStyle, request: Mapping[str, Any]) -> Reply:
+    """A generated reply as the server-sent events of `style`."""
+    options = request.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    chunks = completion_chunks(reply.body, style, include_usage=include_usage)
+    end = "\r\n" if style.crlf else "\n"
+    ping = f": ping{end}" if style.ping else ""
+    texts = [f"{ping}data: {json.dumps(chunk)}{end}{end}" for chunk in chunks]
+    if style.done:
+        texts.append(f"{ping}data: [DONE]{end}{end}")
+    return replace(
+        reply,
+        body=None,
+        content_type=_EVENT_STREAM,
+        chunked=True,
+        events=tuple(t.encode() for t in texts),
+        event_interval=style.interval,
+        cut_after=style.cut_after,
+    )
+
+
 def disconnect() -> Reply:
     """Close the connection without answering."""
     return Reply(disconnect=True)
@@ -288,6 +461,10 @@ def _wrapper_from_spec(spec: dict[str, Any]) -> Reply | None:
         return trickle(reply_from_spec(spec["then"]), float(spec["trickle"]))
     if spec.get("chunked"):
         return chunked(reply_from_spec(spec["then"]))
+    if isinstance(spec.get("stream"), dict):
+        return streamed(reply_from_spec(spec["then"]), StreamStyle(**spec["stream"]))
+    if "sse" in spec:
+        return sse_reply(*spec["sse"], done=bool(spec.get("done", True)))
     return None
 
 
@@ -328,8 +505,10 @@ class FakeOpenAIServer:
         strict: bool = True,
         keep_alive: bool = False,
         requests_log: Path | str | None = None,
+        stream_style: StreamStyle | None = OPENAI_STYLE,
     ) -> None:
         self._queue: deque[ReplyLike] = deque(replies)
+        self._stream_style = stream_style
         self._port = port
         self._strict = strict
         self._keep_alive = keep_alive
@@ -480,7 +659,11 @@ class FakeOpenAIServer:
         body["id"] = f"chatcmpl-fake-{next(self._ids)}"
         body["created"] = int(time.time())
         body["model"] = request.get("model") if isinstance(request.get("model"), str) else ""
-        return replace(reply, body=body)
+        reply = replace(reply, body=body)
+        style = reply.stream_style or self._stream_style
+        if request.get("stream") is True and style is not None:
+            return _stream(reply, style, request)
+        return reply
 
     def _answer(self, path: str, request: Any, headers: dict[str, str]) -> Reply:
         if path.rstrip("/") != ENDPOINT:
@@ -515,7 +698,7 @@ def _check_request(request: dict[str, Any]) -> str | None:
         return "'messages' must be a non-empty array"
     if not isinstance(request.get("model"), str):
         return "'model' must be a string"
-    open_ids: list[str] = []
+    open_ids: list[Any] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             return f"Invalid 'messages[{index}]': expected an object"
@@ -588,7 +771,7 @@ class _Handler(BaseHTTPRequestHandler):
             payload = (reply.text or "").encode()
         try:
             self.send_response(reply.status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", reply.content_type)
             if reply.chunked:
                 self.send_header("Transfer-Encoding", "chunked")
             else:
@@ -598,14 +781,18 @@ class _Handler(BaseHTTPRequestHandler):
             for name, value in reply.headers.items():
                 self.send_header(name, value)
             self.end_headers()
-            self._write_body(payload, reply)
+            if reply.events is not None:
+                self._write_events(reply)
+            else:
+                self._write_body(payload, reply)
         except ConnectionError:  # broken pipe, reset: a client that stopped reading
             self.close_connection = True
             logger.debug("fake server: the client left before the answer")
 
-    def _write_body(self, payload: bytes, reply: Reply) -> None:
+    def _write_body(self, payload: bytes, reply: Reply, *, end: bool = True) -> None:
         """The body in pieces: one byte at a time when trickling, else 64 KiB (so a client
-        that stops reading a big answer early is seen to stop), framed when chunked."""
+        that stops reading a big answer early is seen to stop), framed when chunked. `end`:
+        write the terminating chunk."""
         step = 1 if reply.byte_interval > 0 else _CHUNK_SIZE
         for start in range(0, len(payload), step):
             piece = payload[start : start + step]
@@ -613,8 +800,30 @@ class _Handler(BaseHTTPRequestHandler):
             if reply.byte_interval > 0 and self.fake._wait(reply.byte_interval):
                 self.close_connection = True  # the server is stopping: leave the body unfinished
                 return
-        if reply.chunked:
+        if reply.chunked and end:
             self.wfile.write(b"0\r\n\r\n")
+
+    def _write_events(self, reply: Reply) -> None:
+        """Server-sent events, one chunk each, `event_interval` apart; trickled byte by byte
+        when `byte_interval` is set. With `cut_after`, only that many events are sent and the
+        body is never finished (no terminating chunk): the client sees the connection drop."""
+        events = reply.events or ()
+        if reply.cut_after is not None:
+            events = events[: reply.cut_after]
+        for event in events:
+            if reply.byte_interval > 0:
+                self._write_body(event, replace(reply, chunked=True), end=False)
+            else:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if self.fake._stopping.is_set() or (
+                reply.event_interval > 0 and self.fake._wait(reply.event_interval)
+            ):
+                self.close_connection = True  # the server is stopping: leave the body unfinished
+                return
+        if reply.cut_after is not None:
+            self.close_connection = True
+            return
+        self.wfile.write(b"0\r\n\r\n")
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("fake server: %s", format % args)

@@ -1,6 +1,10 @@
 """HttpChatModel over real HTTP to FakeOpenAIServer: answers, tool turns, quirks, retries,
 timeouts and the translation of every failure into fsm_kernel.errors. No test waits for a real
-backoff: `sleep` is injected and records the delays."""
+backoff: `sleep` is injected and records the delays.
+
+The client streams by default, and the fake streams every generated reply when asked, so these
+tests run the streaming path unless they say `stream=False`; the answers and tool turns run both
+ways. Stream-specific behaviour is in test_agent_streaming.py."""
 
 from __future__ import annotations
 
@@ -84,6 +88,14 @@ def sleep() -> RecordingSleep:
     return RecordingSleep()
 
 
+@pytest.fixture(params=[True, False], ids=["streamed", "plain"])
+def stream(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+STREAM_FIELDS = {"stream": True, "stream_options": {"include_usage": True}}
+
+
 def settings_for(base_url: str, **overrides: Any) -> AgentSettings:
     values: dict[str, Any] = {"model": "test-model", "max_retries": 0, "request_timeout": 10.0}
     values.update(overrides)
@@ -124,9 +136,9 @@ def closed_port() -> int:
 # --- answers ---------------------------------------------------------------------------------
 
 
-def test_text_answer(server: FakeOpenAIServer) -> None:
+def test_text_answer(server: FakeOpenAIServer, stream: bool) -> None:
     server.enqueue(text_reply("hi there"))
-    completion = run(ask(server.base_url))
+    completion = run(ask(server.base_url, stream=stream))
     assert completion.message == Message.assistant("hi there")
     assert completion.finish_reason == "stop"
     assert completion.usage == Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
@@ -138,6 +150,7 @@ def test_text_answer(server: FakeOpenAIServer) -> None:
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello"},
         ],
+        **(STREAM_FIELDS if stream else {}),
     }
     assert server.request_headers[0]["content-type"] == "application/json"
     server.assert_complete()
@@ -160,20 +173,20 @@ def test_tools_and_temperature_are_sent_when_set(server: FakeOpenAIServer) -> No
     ]
 
 
-def test_reasoning_field_is_kept_out_of_content(server: FakeOpenAIServer) -> None:
+def test_reasoning_field_is_kept_out_of_content(server: FakeOpenAIServer, stream: bool) -> None:
     server.enqueue(text_reply("4", reasoning="2+2"))
-    completion = run(ask(server.base_url))
+    completion = run(ask(server.base_url, stream=stream))
     assert (completion.message.content, completion.message.reasoning) == ("4", "2+2")
 
 
-def test_multi_turn_sends_tool_results_back(server: FakeOpenAIServer) -> None:
+def test_multi_turn_sends_tool_results_back(server: FakeOpenAIServer, stream: bool) -> None:
     server.enqueue(
         tool_reply(call("read_file", {"path": "a.txt"}, id="call_abc")),
         text_reply("the file says hi"),
     )
 
     async def conversation() -> tuple[Completion, Completion]:
-        async with HttpChatModel(settings_for(server.base_url)) as model:
+        async with HttpChatModel(settings_for(server.base_url, stream=stream)) as model:
             first = await model.complete(HELLO, [READ_FILE])
             (tc,) = first.message.tool_calls
             history = [*HELLO, first.message, Message.tool(tc, ToolResult(content="hi"))]
@@ -204,7 +217,7 @@ def test_multi_turn_sends_tool_results_back(server: FakeOpenAIServer) -> None:
     server.assert_complete()  # the fake enforces OpenAI's ordering rules too
 
 
-def test_parallel_tool_calls_in_one_response(server: FakeOpenAIServer) -> None:
+def test_parallel_tool_calls_in_one_response(server: FakeOpenAIServer, stream: bool) -> None:
     server.enqueue(
         tool_reply(
             call("read_file", {"path": "a"}, id="c1"),
@@ -212,7 +225,7 @@ def test_parallel_tool_calls_in_one_response(server: FakeOpenAIServer) -> None:
             call("now", {}, id="c3"),
         )
     )
-    completion = run(ask(server.base_url, tools=[READ_FILE]))
+    completion = run(ask(server.base_url, tools=[READ_FILE], stream=stream))
     calls = completion.message.tool_calls
     assert [(c.id, c.name, c.arguments) for c in calls] == [
         ("c1", "read_file", {"path": "a"}),
@@ -448,14 +461,19 @@ def test_a_trickling_answer_hits_the_deadline(server: FakeOpenAIServer) -> None:
     assert err.retryable
 
 
+# A trickled stream is five times the bytes: these two run plain (streams: see
+# test_agent_streaming.py).
+
+
 def test_a_slow_answer_within_the_deadline_is_read_whole(server: FakeOpenAIServer) -> None:
     server.enqueue(trickle(text_reply("slow but sure"), interval=0.001))
-    assert run(ask(server.base_url, request_timeout=30)).message.content == "slow but sure"
+    answer = run(ask(server.base_url, request_timeout=30, stream=False))
+    assert answer.message.content == "slow but sure"
 
 
 def test_request_timeout_zero_means_no_deadline(server: FakeOpenAIServer) -> None:
     server.enqueue(trickle(text_reply("no hurry"), interval=0.001))
-    assert run(ask(server.base_url, request_timeout=0)).message.content == "no hurry"
+    assert run(ask(server.base_url, request_timeout=0, stream=False)).message.content == "no hurry"
 
 
 # --- the response size cap -------------------------------------------------------------------

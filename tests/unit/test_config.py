@@ -49,6 +49,7 @@ def test_defaults() -> None:
     assert s.connect_timeout == 10.0
     assert s.temperature is None
     assert s.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 8 * 1024 * 1024
+    assert s.stream is True
 
 
 def test_settings_are_frozen() -> None:
@@ -140,6 +141,31 @@ def test_max_response_bytes_from_the_environment_must_be_positive(value: str) ->
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("true", True), ("TRUE", True), (" True ", True), ("0", False), ("false", False)],
+)
+def test_stream_from_the_environment(value: str, expected: bool) -> None:
+    assert agent_settings_from_env({"FSM_KERNEL_STREAM": value}) == {"stream": expected}
+    assert AgentSettings().merged(agent_settings_from_env({"FSM_KERNEL_STREAM": value})).stream is (
+        expected
+    )
+
+
+@pytest.mark.parametrize("value", ["yes", "no", "on", "2", "-1", "t"])
+def test_stream_from_the_environment_must_be_a_boolean(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        agent_settings_from_env({"FSM_KERNEL_STREAM": value})
+
+    assert str(info.value) == (
+        f"FSM_KERNEL_STREAM={value!r} is not a boolean (use 1, 0, true or false)"
+    )
+
+
+def test_an_empty_stream_variable_is_ignored() -> None:
+    assert agent_settings_from_env({"FSM_KERNEL_STREAM": ""}) == {}
+
+
 # --- validation: every way in goes through AgentSettings.__post_init__ ---------------------
 
 BAD_SETTINGS = [
@@ -182,6 +208,12 @@ BAD_SETTINGS = [
         id="max-response-bytes-zero",
     ),
     pytest.param({"max_response_bytes": -5}, "(got -5)", id="max-response-bytes-negative"),
+    pytest.param(
+        {"stream": "false"},
+        "stream must be true or false (got 'false') — check --no-stream or FSM_KERNEL_STREAM",
+        id="stream-text",
+    ),
+    pytest.param({"stream": 1}, "(got 1)", id="stream-number"),
 ]
 
 
