@@ -223,7 +223,9 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
 def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:
     """A `tool_choice:` names a keyword or a tool offered where it applies; `required` or a
     tool's name where no tool is offered could never be honoured."""
-    places = [(("agent", "tool_choice"), spec.agent.tool_choice, offered)]
+    places: list[tuple[tuple[str, ...], str | None, list[str]]] = [
+        (("agent", "tool_choice"), spec.agent.tool_choice, offered)
+    ]
     places += [
         (("states", sid, "tool_choice"), s.tool_choice, offered if s.tools is None else s.tools)
         for sid, s in spec.states.items()

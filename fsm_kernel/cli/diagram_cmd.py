@@ -120,7 +120,7 @@ def _emit(spec: WorkflowSpec, overlay: RunOverlay | None, fmt: str, output: str 
 
 
 def _load_spec(workflow: str | None, overlay: RunOverlay | None) -> WorkflowSpec:
-    from fsm_kernel.cli.commands import load_spec
+    from fsm_kernel.bootstrap import load_spec
 
     if workflow is None:
         workflow = _workflow_of_run(overlay)
@@ -189,7 +189,7 @@ def _check_folder_args(args: argparse.Namespace) -> None:
 
 
 def _load_folder(folder: Path) -> list[tuple[str, WorkflowSpec]]:
-    from fsm_kernel.cli.commands import load_spec
+    from fsm_kernel.bootstrap import load_spec
 
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder")

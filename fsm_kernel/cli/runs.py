@@ -253,7 +253,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from fsm_kernel.cli.commands import load_spec
+    from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.replay import RecordedRun, replay_run
     from fsm_kernel.workflow.compiler import compile_workflow
 

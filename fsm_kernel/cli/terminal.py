@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from fsm_kernel.redact import redact
 
@@ -44,11 +44,16 @@ class SafeStream:
         self.inner.write(printable(text))
         return len(text)
 
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
+    def flush(self) -> None:
+        self.inner.flush()
 
-    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding, ...
+    def isatty(self) -> bool:
+        return self.inner.isatty()
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, buffer, errors, ... of the wrapped one
         return getattr(self.inner, name)
 
 
@@ -58,8 +63,8 @@ def safe_stdio() -> Iterator[None]:
     import sys
 
     saved = sys.stdout, sys.stderr
-    sys.stdout = SafeStream(saved[0])  # type: ignore[assignment]
-    sys.stderr = SafeStream(saved[1])  # type: ignore[assignment]
+    sys.stdout = cast(TextIO, SafeStream(saved[0]))
+    sys.stderr = cast(TextIO, SafeStream(saved[1]))
     try:
         yield
     finally:

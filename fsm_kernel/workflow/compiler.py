@@ -138,7 +138,7 @@ def _transition_def(index: int, t: TransitionSpec) -> dict[str, Any]:
     return td
 
 
-def _build_class(spec: WorkflowSpec) -> type[StateChart]:
+def _build_class(spec: WorkflowSpec) -> type[StateChart[Any]]:
     states: dict[str, Any] = {
         sid: {"initial": sid == spec.initial, "final": s.final, "transitions": []}
         for sid, s in spec.states.items()
@@ -149,7 +149,7 @@ def _build_class(spec: WorkflowSpec) -> type[StateChart]:
         if not sdef["transitions"]:
             del sdef["transitions"]
     try:
-        cls: type[StateChart] = create_machine_class_from_definition(
+        cls: type[StateChart[Any]] = create_machine_class_from_definition(
             _class_name(spec),
             states=states,
             catch_errors_as_events=False,  # a raising guard must reach the kernel, not vanish

@@ -29,7 +29,7 @@ from fsm_kernel.workflow.spec import Limits, StateSpec
 
 __all__ = ["KernelNotes", "Recorder", "RunContext", "RunServices", "ToolCallRecord"]
 
-Recorder = Callable[[EventType, dict[str, Any]], None]
+Recorder = Callable[[EventType, dict[str, Any]], object]
 
 
 def _no_record(_type: EventType, _data: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from pydantic import ValidationError
@@ -79,7 +79,7 @@ class YamlLimitError(yaml.MarkedYAMLError):
     A MarkedYAMLError, so callers that already report YAML errors at their mark report these
     too."""
 
-    def __init__(self, problem: str, mark: yaml.Mark) -> None:
+    def __init__(self, problem: str, mark: Any) -> None:
         super().__init__(problem=problem, problem_mark=mark)
 
 
@@ -104,8 +104,8 @@ class _LimitedLoader(StrictBoolLoader):
             raise YamlLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels", self.get_mark())
         super().fetch_flow_collection_start(token_class)
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        event = self.peek_event()
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
         if isinstance(event, AliasEvent):
             self._count_alias(event)
             return super().compose_node(parent, index)
@@ -132,9 +132,9 @@ class _LimitedLoader(StrictBoolLoader):
             raise YamlLimitError(
                 f"alias *{event.anchor} refers to a node that contains it", event.start_mark
             )
-        self._add_nodes(self._anchor_sizes.get(event.anchor, 0), event.start_mark)
+        self._add_nodes(self._anchor_sizes.get(event.anchor or "", 0), event.start_mark)
 
-    def _add_nodes(self, count: int, mark: yaml.Mark) -> None:
+    def _add_nodes(self, count: int, mark: Any) -> None:
         self._expanded += count
         if self._expanded > MAX_YAML_NODES:
             raise YamlLimitError(
@@ -143,7 +143,7 @@ class _LimitedLoader(StrictBoolLoader):
 
 
 def _size_error(name: str) -> YamlLimitError:
-    mark = yaml.Mark(name, 0, 0, 0, None, None)
+    mark = yaml.Mark(name, 0, 0, 0, cast(Any, None), cast(Any, None))  # no text to quote
     return YamlLimitError(f"file larger than {MAX_YAML_BYTES} bytes", mark)
 
 
