@@ -1,6 +1,7 @@
-"""ToolRegistry and the @tool marker: JSON schema from a typed signature, argument validation,
-timeouts, output caps, and tool failures turned into error results. Imports only protocol and
-errors from fsm_kernel (tools never import agent, session, memory or store).
+"""ToolRegistry and the @tool marker: registering tools, and executing calls with argument
+validation, timeouts, output caps, and tool failures turned into error results. The JSON schema
+and validator come from _signature. Imports only protocol and errors from fsm_kernel (tools never
+import agent, session, memory or store).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datetime import time as dt_time
 from enum import Enum
 from pathlib import PurePath
 from types import ModuleType
-from typing import Any, TypeVar, get_type_hints, overload
+from typing import Any, TypeVar, overload
 
 import pydantic
 
@@ -37,6 +38,7 @@ from fsm_kernel.errors import (
     ToolTimeoutError,
 )
 from fsm_kernel.protocol import Tool, ToolCall, ToolResult
+from fsm_kernel.tools._signature import describe_validation, read_signature
 
 __all__ = [
     "DEFAULT_OUTPUT_CAP",
@@ -61,14 +63,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _MARKER = "__fsm_kernel_tool__"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 """What OpenAI-compatible servers accept as a function name."""
-_SECTION_RE = re.compile(
-    r"^(Args|Arguments|Parameters|Returns|Return|Raises|Yields|Examples?|Notes?|See Also):\s*$"
-)
-_ARGS_HEADERS = ("Args:", "Arguments:", "Parameters:")
-_ARG_LINE_RE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
-_SCHEMA_DATA = frozenset({"default", "const", "enum", "examples"})
-_INPUT_PREVIEW = 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +183,7 @@ class RegisteredTool:
             model = self.arguments_model.model_validate(call.arguments)
         except pydantic.ValidationError as exc:
             raise ToolArgumentsError(
-                f"invalid arguments for {self.name!r}: {_describe_validation(exc)}",
+                f"invalid arguments for {self.name!r}: {describe_validation(exc)}",
                 tool_name=self.name,
             ) from exc
         return {name: getattr(model, f"p{i}") for i, name in enumerate(self.parameter_names)}
@@ -446,155 +440,16 @@ def build_tool(func: Callable[..., Any], options: ToolOptions | None = None) -> 
         raise ConfigError(f"invalid tool name {name!r}: use 1-64 letters, digits, '_' or '-'")
     if options.timeout is not None and options.timeout <= 0:
         raise ConfigError(f"tool {name!r}: timeout must be positive, got {options.timeout}")
-    summary, arg_docs = _parse_docstring(inspect.getdoc(_unwrap_partial(func)) or "")
-    params = _parameters(name, func)
-    model = _arguments_model(name, func, params, arg_docs)
+    signature = read_signature(name, func)
     return RegisteredTool(
         name=name,
-        description=options.description if options.description is not None else summary,
-        parameters=_json_schema(name, model),
+        description=options.description if options.description is not None else signature.summary,
+        parameters=signature.parameters,
         handler=func,
-        arguments_model=model,
-        parameter_names=tuple(p.name for p in params),
+        arguments_model=signature.arguments_model,
+        parameter_names=signature.parameter_names,
         timeout=options.timeout,
     )
-
-
-def _parameters(name: str, func: Callable[..., Any]) -> list[inspect.Parameter]:
-    try:
-        params = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"tool {name!r}: cannot read its signature: {exc}") from exc
-    for p in params:
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            raise ConfigError(
-                f"tool {name!r}: parameter {p.name!r} must be a plain or keyword-only "
-                "parameter (no *args, **kwargs or positional-only)"
-            )
-    return params
-
-
-def _arguments_model(
-    name: str,
-    func: Callable[..., Any],
-    params: list[inspect.Parameter],
-    arg_docs: dict[str, str],
-) -> type[pydantic.BaseModel]:
-    hints = _type_hints(name, func)
-    fields: dict[str, Any] = {}
-    for i, p in enumerate(params):
-        default = ... if p.default is inspect.Parameter.empty else p.default
-        # Fields are named p0, p1, ... and aliased to the parameter names, so a parameter may
-        # be called `json`, `copy` or `_x` without clashing with BaseModel's own attributes.
-        field = pydantic.Field(default, alias=p.name, description=arg_docs.get(p.name))
-        fields[f"p{i}"] = (hints.get(p.name, Any), field)
-    try:
-        return pydantic.create_model(  # type: ignore[call-overload,no-any-return]  # dynamic fields
-            f"{name}_arguments",
-            __config__=pydantic.ConfigDict(extra="forbid"),
-            **fields,
-        )
-    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as exc:
-        raise ConfigError(f"tool {name!r}: unsupported parameter type: {exc}") from exc
-
-
-def _type_hints(name: str, func: Callable[..., Any]) -> dict[str, Any]:
-    target = _unwrap_partial(func)
-    if not (inspect.isfunction(target) or inspect.ismethod(target)):
-        target = type(target).__call__  # a callable object
-    try:
-        return get_type_hints(target, include_extras=True)
-    except (NameError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"tool {name!r}: cannot resolve its type annotations: {exc}") from exc
-
-
-def _unwrap_partial(func: Callable[..., Any]) -> Callable[..., Any]:
-    while isinstance(func, functools.partial):
-        func = func.func
-    return func
-
-
-def _json_schema(name: str, model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    try:
-        schema = model.model_json_schema()
-    except pydantic.PydanticUserError as exc:
-        raise ConfigError(f"tool {name!r}: no JSON schema for its parameters: {exc}") from exc
-    stripped: dict[str, Any] = _strip_titles(schema)
-    stripped.setdefault("properties", {})
-    return stripped
-
-
-def _strip_titles(node: Any) -> Any:
-    """Drop pydantic's generated `title`s, but not properties that happen to be named title."""
-    if isinstance(node, list):
-        return [_strip_titles(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "title" and isinstance(value, str):
-            continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _strip_titles(v) for k, v in value.items()}
-        elif key in _SCHEMA_DATA:
-            out[key] = value
-        else:
-            out[key] = _strip_titles(value)
-    return out
-
-
-def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """The first paragraph (lines joined) and the Google-style `Args:` descriptions."""
-    lines = doc.splitlines()
-    summary: list[str] = []
-    for line in lines:
-        if not line.strip() or _SECTION_RE.match(line.strip()):
-            break
-        summary.append(line.strip())
-    return " ".join(summary), _parse_args_section(lines)
-
-
-def _parse_args_section(lines: list[str]) -> dict[str, str]:
-    start = next((i for i, line in enumerate(lines) if line.strip() in _ARGS_HEADERS), None)
-    if start is None:
-        return {}
-    header_indent = _indent(lines[start])
-    docs: dict[str, str] = {}
-    entry_indent: int | None = None
-    current: str | None = None
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        indent = _indent(line)
-        if indent <= header_indent:
-            break
-        if entry_indent is None:
-            entry_indent = indent
-        match = _ARG_LINE_RE.match(line.strip()) if indent == entry_indent else None
-        if match:
-            current = match.group(1)
-            docs[current] = match.group(2).strip()
-        elif current is not None:
-            docs[current] = f"{docs[current]} {line.strip()}".strip()
-    return docs
-
-
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
-
-
-def _describe_validation(exc: pydantic.ValidationError) -> str:
-    problems = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in err["loc"]) or "arguments"
-        text = f"{where}: {err['msg']}"
-        if err["type"] not in ("missing", "extra_forbidden") and err["loc"]:
-            preview = repr(err.get("input"))
-            if len(preview) > _INPUT_PREVIEW:
-                preview = preview[: _INPUT_PREVIEW - 3] + "..."
-            text += f" (got {preview})"
-        problems.append(text)
-    return "; ".join(problems)
 
 
 def _render(name: str, value: Any) -> str:

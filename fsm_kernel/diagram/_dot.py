@@ -1,0 +1,217 @@
+"""The DOT renderer: a WorkflowSpec, optionally with a RunOverlay, as Graphviz DOT text built with
+the graphviz package (which only writes text here; rendering is _render's job).
+"""
+
+from __future__ import annotations
+
+import html
+
+import graphviz
+
+from fsm_kernel.diagram._labels import (
+    DIM,
+    INK,
+    KERNEL_REASONS,
+    SOFT,
+    TAKEN,
+    edge_label,
+    end_color,
+    ended_here,
+    run_summary,
+    short,
+    state_hints,
+)
+from fsm_kernel.diagram._overlay import RunOverlay, fired_count
+from fsm_kernel.workflow.spec import WorkflowSpec
+
+__all__ = ["to_dot"]
+
+_FONT = "Helvetica"
+_FINAL_FILL = "#f5f7fa"
+_START = "_start"  # state ids are snake_case starting with a letter, so these never clash
+_LEGEND = "_legend"
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def _font(text: str, *, size: int, color: str, bold: bool = False) -> str:
+    inner = f"<B>{_esc(text)}</B>" if bold else _esc(text)
+    return f'<FONT POINT-SIZE="{size}" COLOR="{color}">{inner}</FONT>'
+
+
+def _state_label(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> str:
+    visits = overlay.visits.get(sid, 0) if overlay is not None else 0
+    dim = overlay is not None and visits == 0
+    title = f"{sid}  ×{visits}" if visits else sid
+    lines = [_font(title, size=12, color=DIM if dim else INK, bold=True)]
+    lines += [_font(h, size=9, color=DIM if dim else SOFT) for h in state_hints(spec, sid)]
+    if overlay is not None and overlay.ended_by_kernel and overlay.last_state == sid:
+        lines.append(
+            _font(f"■ ended here: {overlay.reason}", size=9, color=end_color(overlay), bold=True)
+        )
+    return "<" + "<BR/>".join(lines) + ">"
+
+
+def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> dict[str, str]:
+    attrs = {"label": _state_label(spec, sid, overlay)}
+    if spec.states[sid].final:
+        attrs.update(peripheries="2", style="rounded,filled", fillcolor=_FINAL_FILL)
+    if overlay is None:
+        return attrs
+    if overlay.visits.get(sid, 0) == 0:
+        attrs["color"] = DIM
+    elif overlay.last_state == sid and overlay.reason is not None:
+        attrs.update(color=end_color(overlay), penwidth="2")
+    else:
+        attrs.update(color=TAKEN, penwidth="1.5")
+    return attrs
+
+
+def _edge_groups(spec: WorkflowSpec) -> list[tuple[str, str, list[int]]]:
+    """Transitions sharing a source and a target, drawn as one edge with a row per transition."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, t in enumerate(spec.transitions):
+        groups.setdefault((t.source, t.target), []).append(index)
+    return [(source, target, indexes) for (source, target), indexes in groups.items()]
+
+
+def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tuple[str, str]:
+    """(text, colour) of one transition's line on its edge."""
+    text = edge_label(spec, index)
+    if overlay is None:
+        return text, INK
+    count = fired_count(spec, overlay, index)
+    if count == 0:
+        return text, DIM
+    text = f"{text}  ×{count}".strip()
+    if index == overlay.terminating:
+        return f"{text}  {ended_here(spec, overlay, index)}", end_color(overlay)
+    return text, TAKEN
+
+
+def _edge_label_attrs(rows: list[tuple[str, str]]) -> dict[str, str]:
+    if len(rows) == 1:
+        text, color = rows[0]
+        if not text:
+            return {}
+        if len(text) > 32:  # a long conjunction reads better over two lines
+            text = text.replace(" and ", "\\nand ")
+        return {"label": text, "fontcolor": color}
+    cells = "".join(
+        f'<TR><TD ALIGN="LEFT">{_font(text, size=9, color=color)}</TD></TR>' for text, color in rows
+    )
+    return {"label": f'<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="1">{cells}</TABLE>>'}
+
+
+def _edge_attrs(
+    spec: WorkflowSpec, indexes: list[int], overlay: RunOverlay | None
+) -> dict[str, str]:
+    attrs = _edge_label_attrs([_edge_row(spec, i, overlay) for i in indexes])
+    if overlay is None:
+        return attrs
+    if overlay.terminating in indexes:
+        attrs.update(color=end_color(overlay), penwidth="3")
+    elif any(fired_count(spec, overlay, i) for i in indexes):
+        attrs.update(color=TAKEN, penwidth="2.5")
+    else:
+        attrs.update(color=DIM)
+    return attrs
+
+
+def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
+    rows = [
+        "● → the initial state; a double border marks a final state",
+        "[guard] edges out of a state are tried in number order; the first that passes fires",
+        "[else]: taken when no other edge of its state passes",
+        "[guard] → reason: the run ends with that termination reason",
+        "the kernel may end any run with: " + ", ".join(KERNEL_REASONS),
+    ]
+    if overlay is not None:
+        rows += [
+            "×n: times a state was entered / an edge fired; grey: not reached",
+            "■ where the run ended: green for final_answer or done, red for any other reason",
+        ]
+        if overlay.error:
+            rows.append("error: " + short(overlay.error, 90))
+    elif spec.limits.max_iterations:
+        n = spec.limits.max_iterations
+        rows.append(f"max_iterations: {n} model call{'s' if n != 1 else ''} in this workflow")
+    return rows
+
+
+def _legend_label(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
+    cells = "".join(
+        f'<TR><TD ALIGN="LEFT">{_font(row, size=9, color=SOFT)}</TD></TR>'
+        for row in _legend_rows(spec, overlay)
+    )
+    head = f'<TR><TD ALIGN="LEFT">{_font("legend", size=10, color=INK, bold=True)}</TD></TR>'
+    return (
+        f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="1">{head}{cells}</TABLE>>'
+    )
+
+
+def _title(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
+    lines = [_font(spec.name, size=14, color=INK, bold=True)]
+    if spec.description:
+        lines.append(_font(short(spec.description, 90), size=10, color=SOFT))
+    if overlay is not None:
+        color = TAKEN if overlay.reason is None else end_color(overlay)
+        lines.append(_font(run_summary(overlay), size=10, color=color, bold=True))
+    return "<" + "<BR/>".join(lines) + ">"
+
+
+def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Digraph:
+    return graphviz.Digraph(
+        name=spec.name,
+        graph_attr={
+            "rankdir": "TB",
+            "label": _title(spec, overlay),
+            "labelloc": "t",
+            "fontname": _FONT,
+            "nodesep": "0.5",
+            "ranksep": "0.55",
+            "pad": "0.3",
+        },
+        node_attr={
+            "shape": "box",
+            "style": "rounded",
+            "fontname": _FONT,
+            "color": INK,
+            "margin": "0.18,0.07",
+        },
+        edge_attr={
+            "fontname": _FONT,
+            "fontsize": "9",
+            "color": SOFT,
+            "fontcolor": INK,
+            "arrowsize": "0.7",
+        },
+    )
+
+
+def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None) -> str:
+    """The workflow as Graphviz DOT text; the same spec (and overlay) gives the same bytes."""
+    g = _new_digraph(spec, overlay)
+    g.node(
+        _START,
+        label="",
+        shape="circle",
+        style="filled",
+        fillcolor=INK,
+        width="0.16",
+        fixedsize="true",
+    )
+    for sid in spec.states:
+        g.node(sid, **_state_attrs(spec, sid, overlay))
+    entry = {"color": TAKEN, "penwidth": "2.5"} if overlay is not None and overlay.visits else {}
+    g.edge(_START, spec.initial, **entry)
+    for source, target, indexes in _edge_groups(spec):
+        g.edge(source, target, **_edge_attrs(spec, indexes, overlay))
+    with g.subgraph(name="cluster_legend") as legend:
+        legend.attr(style="rounded,dashed", color=DIM, label="", margin="6")
+        legend.node(_LEGEND, label=_legend_label(spec, overlay), shape="plaintext")
+    for final in spec.final_states():  # keep the legend under the diagram, not beside it
+        g.edge(final, _LEGEND, style="invis")
+    return str(g.source)

@@ -1,0 +1,139 @@
+"""Labels and colours the DOT and Mermaid renderers share: edge labels, state hints, the run
+summary and the kernel's own termination reasons. Pure text; no graphviz.
+"""
+
+from __future__ import annotations
+
+from fsm_kernel.diagram._overlay import RunOverlay
+from fsm_kernel.workflow.spec import SUCCESS_REASONS, TransitionSpec, WorkflowSpec
+
+__all__ = [
+    "DIM",
+    "FAILED",
+    "HINT_MAX",
+    "INK",
+    "KERNEL_REASONS",
+    "SOFT",
+    "SUCCEEDED",
+    "TAKEN",
+    "edge_label",
+    "end_color",
+    "ended_here",
+    "run_summary",
+    "short",
+    "state_hints",
+]
+
+KERNEL_REASONS: tuple[str, ...] = (
+    "max_iterations",
+    "timeout",
+    "cancelled",
+    "agent_error",
+    "error",
+    "no_progress",
+    "truncated",
+)
+"""Reasons the kernel itself may end any run with, whatever the transitions say (no_progress:
+limits.max_transitions reached; truncated: an edge ending with final_answer or done fired while
+the last model reply was cut off by its length limit)."""
+
+INK = "#1f2933"
+SOFT = "#52606d"
+DIM = "#b8c2cc"
+TAKEN = "#1d4ed8"
+FAILED = "#c0392b"
+SUCCEEDED = "#15803d"
+HINT_MAX = 40
+
+
+def _condition(spec: WorkflowSpec, t: TransitionSpec) -> str:
+    """The guard text, `else` for an unguarded fallback, "" for a source's only, unguarded edge."""
+    if t.is_guarded:
+        return t.label()
+    siblings = spec.transitions_from(t.source)
+    return "else" if any(other.is_guarded for _, other in siblings) else ""
+
+
+def _order(spec: WorkflowSpec, index: int) -> int | None:
+    """1-based position of transition `index` among its source's edges; None if it is alone."""
+    siblings = [i for i, _ in spec.transitions_from(spec.transitions[index].source)]
+    return siblings.index(index) + 1 if len(siblings) > 1 else None
+
+
+def edge_label(spec: WorkflowSpec, index: int) -> str:
+    """One line: `2. [malformed_output and not retries_exhausted]`, `[done_called] → done`."""
+    t = spec.transitions[index]
+    condition = _condition(spec, t)
+    parts = []
+    order = _order(spec, index)
+    if order is not None:
+        parts.append(f"{order}.")
+    if condition:
+        parts.append(f"[{condition}]")
+    if spec.states[t.target].final:
+        parts.append(f"→ {t.reason or 'final_answer'}")
+    return " ".join(parts)
+
+
+def short(text: str, limit: int = HINT_MAX) -> str:
+    """`text` on one line, cut at a word boundary to at most `limit` characters."""
+    flat = " ".join(text.split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.") + "…"
+
+
+def _tools_hint(names: list[str]) -> str:
+    """`tools: a, b +3`: as many names as fit, then how many more."""
+    if not names:
+        return "tools: none"
+    shown: list[str] = []
+    for name in names:
+        if shown and len("tools: " + ", ".join([*shown, name])) > HINT_MAX - 3:
+            break
+        shown.append(name)
+    rest = len(names) - len(shown)
+    return "tools: " + ", ".join(shown) + (f" +{rest}" if rest else "")
+
+
+def state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
+    """The lines under a state's id: its action, prompt and tools."""
+    state = spec.states[sid]
+    lines = []
+    if state.action:
+        lines.append(state.action)
+    if state.prompt:
+        lines.append(f'prompt: "{short(state.prompt, HINT_MAX - 10)}"')
+    if state.tools is not None:
+        lines.append(_tools_hint(state.tools))
+    if not state.answer:
+        lines.append("answer: false")
+    return lines
+
+
+def end_color(overlay: RunOverlay) -> str:
+    return SUCCEEDED if overlay.reason in SUCCESS_REASONS else FAILED
+
+
+def run_summary(overlay: RunOverlay) -> str:
+    """`run 0190ab12: done after 7 transitions` (or why and where the kernel stopped it)."""
+    steps = f"{len(overlay.path)} transition{'s' if len(overlay.path) != 1 else ''}"
+    who = f"run {overlay.run_id}" if overlay.run_id else "run"  # a prefix is not unique
+    if overlay.reason is None:
+        return f"{who}: not terminated (in flight or killed) after {steps}, in {overlay.last_state}"
+    if overlay.ended_by_kernel:
+        where = f" in {overlay.last_state}" if overlay.last_state else ""
+        return f"{who}: ended by the kernel{where}: {overlay.reason} after {steps}"
+    return f"{who}: {overlay.reason} after {steps}"
+
+
+def ended_here(spec: WorkflowSpec, overlay: RunOverlay, index: int) -> str:
+    """The mark on the edge that ended the run, with the run's reason when it is not the edge's
+    (the kernel turned a cut-off final_answer into truncated)."""
+    if overlay.reason == spec.transitions[index].reason:
+        return "■ ended here"
+    return f"■ ended here: {overlay.reason}"

@@ -1,0 +1,161 @@
+"""The run overlay: what one run did on its workflow (visits, fired transitions, where and why it
+ended), folded from its events, and whether it fits a given spec. Draws nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.workflow.spec import WorkflowSpec
+
+__all__ = ["RunOverlay", "fired_count", "overlay_problems"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOverlay:
+    """What one run did on its workflow, derived from its events."""
+
+    run_id: str = ""
+    workflow: str | None = None
+    """The workflow name the run recorded at its start."""
+    workflow_hash: str | None = None
+    """The workflow file's sha256 the run last ran under (a forced resume changes it)."""
+    workflow_path: str | None = None
+    """The workflow file the run was started from."""
+    visits: dict[str, int] = field(default_factory=dict)
+    """Times each state was entered (final states included)."""
+    traversals: dict[int, int] = field(default_factory=dict)
+    """Times each transition (by its index in the workflow's list) fired."""
+    edges: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """(source, target) each fired transition index had in the run, to check against a spec."""
+    path: tuple[int, ...] = ()
+    """Transition indexes in the order they fired."""
+    terminating: int | None = None
+    """The transition into a final state that ended the run; None if the kernel ended it."""
+    reason: str | None = None
+    """The termination reason; None while the run is in flight (or was killed)."""
+    error: str | None = None
+    last_state: str | None = None
+    """The state the run was in when it ended (or is in now)."""
+
+    @property
+    def ended_by_kernel(self) -> bool:
+        """The run terminated without taking a transition into a final state."""
+        return self.reason is not None and self.terminating is None
+
+    @classmethod
+    def from_events(cls, events: Iterable[Event]) -> RunOverlay:
+        """Build the overlay from one run's events (in seq order)."""
+        builder = _OverlayBuilder()
+        for event in sorted(events, key=lambda e: e.seq):
+            builder.feed(event)
+        return builder.build()
+
+
+class _OverlayBuilder:
+    """Folds events into the counters of a RunOverlay."""
+
+    def __init__(self) -> None:
+        self.run_id = ""
+        self.started: dict[str, object] = {}
+        self.visits: dict[str, int] = {}
+        self.traversals: dict[int, int] = {}
+        self.edges: dict[int, tuple[str, str]] = {}
+        self.path: list[int] = []
+        self.pending: int | None = None  # last transition whose target has not been entered
+        self.state: str | None = None
+        self.reason: str | None = None
+        self.error: str | None = None
+
+    def feed(self, event: Event) -> None:
+        self.run_id = self.run_id or event.run_id
+        if event.type is EventType.RUN_STARTED:
+            self.started = dict(event.data)
+        elif event.type is EventType.RUN_RESUMED and event.data.get("workflow_hash"):
+            self.started["workflow_hash"] = event.data["workflow_hash"]  # resume --force
+        elif event.type is EventType.STATE_ENTERED and event.state is not None:
+            self._enter(event.state)
+        elif event.type is EventType.TRANSITION_TAKEN:
+            self._take(event.data)
+        elif event.type is EventType.RUN_TERMINATED:
+            self.reason = _text_or_none(event.data.get("reason"))
+            self.error = _text_or_none(event.data.get("error"))
+
+    def _enter(self, state: str) -> None:
+        self.visits[state] = self.visits.get(state, 0) + 1
+        self.state = state
+        self.pending = None
+
+    def _take(self, data: dict[str, object]) -> None:
+        index = data.get("index")
+        if not isinstance(index, int):
+            logger.warning("transition event without an index: %r", data)
+            return
+        self.traversals[index] = self.traversals.get(index, 0) + 1
+        self.edges[index] = (str(data.get("source")), str(data.get("target")))
+        self.path.append(index)
+        self.pending = index
+
+    def build(self) -> RunOverlay:
+        terminating = self.pending if self.reason is not None else None
+        visits = dict(self.visits)
+        state = self.state
+        if terminating is not None:
+            # The kernel does not record `state.entered` for the final state it stops in.
+            state = self.edges[terminating][1]
+            visits[state] = visits.get(state, 0) + 1
+        return RunOverlay(
+            run_id=self.run_id,
+            workflow=_text_or_none(self.started.get("workflow")),
+            workflow_hash=_text_or_none(self.started.get("workflow_hash")),
+            workflow_path=_text_or_none(self.started.get("workflow_path")),
+            visits=visits,
+            traversals=dict(self.traversals),
+            edges=dict(self.edges),
+            path=tuple(self.path),
+            terminating=terminating,
+            reason=self.reason,
+            error=self.error,
+            last_state=state,
+        )
+
+
+def _text_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def overlay_problems(spec: WorkflowSpec, overlay: RunOverlay) -> list[str]:
+    """Why `overlay` may not fit `spec` (another workflow, a changed file); empty if it fits."""
+    problems = []
+    if overlay.workflow and overlay.workflow != spec.name:
+        problems.append(
+            f"run {overlay.run_id} is of workflow {overlay.workflow!r}, not {spec.name!r}"
+        )
+    elif overlay.workflow_hash and spec.content_hash and overlay.workflow_hash != spec.content_hash:
+        problems.append(f"the workflow file changed since run {overlay.run_id}")
+    for index, (source, target) in sorted(overlay.edges.items()):
+        if not _edge_matches(spec, index, source, target):
+            problems.append(
+                f"transition {index} ({source} -> {target}) is not in the workflow; it is not drawn"
+            )
+    return problems
+
+
+def _edge_matches(spec: WorkflowSpec, index: int, source: str, target: str) -> bool:
+    if not 0 <= index < len(spec.transitions):
+        return False
+    t = spec.transitions[index]
+    return (t.source, t.target) == (source, target)
+
+
+def fired_count(spec: WorkflowSpec, overlay: RunOverlay, index: int) -> int:
+    """How often transition `index` of `spec` fired in the run (0 if it does not match)."""
+    if index not in overlay.edges:
+        return 0
+    source, target = overlay.edges[index]
+    return overlay.traversals[index] if _edge_matches(spec, index, source, target) else 0

@@ -1,0 +1,428 @@
+"""The SQL event store written once for SQLite and PostgreSQL: a Dialect holds what differs
+between them (placeholders, function names, collation, timestamp columns, DDL), and
+SqlEventStore runs every EventStore operation through the hooks a backend supplies: its
+connection, its transaction and the translation of its driver's errors.
+
+Imports no database driver; the backends (sqlite.py, postgres.py) do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cached_property
+from types import TracebackType
+from typing import Any, ClassVar, Protocol, Self
+
+from fsm_kernel.errors import StoreConflictError, StoreError
+from fsm_kernel.protocol import Event, RunSummary
+from fsm_kernel.store._schema import (
+    AMBIGUOUS_SHOWN,
+    COMPONENT,
+    POSTGRES_MIGRATIONS_TABLE,
+    SQLITE_MIGRATIONS_TABLE,
+    Migration,
+    RunDelta,
+    check_events,
+    clean_prefix,
+    decode_data,
+    encode_data,
+    format_ts,
+    make_event,
+    parse_ts,
+    plan_migrations,
+    resolve_run,
+    summarize_batch,
+)
+
+__all__ = [
+    "POSTGRES",
+    "SQLITE",
+    "BatchExecutor",
+    "Dialect",
+    "Executor",
+    "Rows",
+    "SqlEventStore",
+    "Statements",
+    "event_row",
+    "row_event",
+    "row_summary",
+    "run_params",
+]
+
+
+class Rows(Protocol):
+    """What executing a statement returns (a DB-API cursor)."""
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Executor(Protocol):
+    """A connection, or a cursor, of either driver."""
+
+    def execute(self, sql: str, params: Any = ..., /) -> Rows: ...
+
+
+class BatchExecutor(Executor, Protocol):
+    """What a backend's transaction hands out: an Executor that also takes batches."""
+
+    def executemany(self, sql: str, params: Iterable[Any], /) -> object: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dialect:
+    """What the event store's SQL and stored values differ in between SQLite and PostgreSQL."""
+
+    param: str
+    """The positional placeholder: `?` or `%s`."""
+    named: str
+    """A named placeholder, `{}` standing for the name: `:{}` or `%({})s`."""
+    json_param: str
+    """The placeholder of the JSON `data` column (PostgreSQL casts to jsonb)."""
+    greatest: str
+    """The two-argument maximum: SQLite's scalar MAX or PostgreSQL's GREATEST."""
+    first_chars: str
+    """SQL for the first n characters of run_id, `{}` standing for n's placeholder."""
+    byte_order: str
+    """Appended to `ORDER BY run_id` so an exact id sorts before the ids it is a prefix of."""
+    migrations_table: str
+    """The DDL of schema_migrations."""
+    migration_sql: Callable[[Migration], tuple[str, ...]]
+    """A migration's statements for this database."""
+    to_db_ts: Callable[[datetime], Any]
+    """An aware datetime as a timestamp column's value (text for SQLite)."""
+    from_db_ts: Callable[[Any], datetime]
+    """A timestamp column's value as an aware UTC datetime."""
+
+    @cached_property
+    def sql(self) -> Statements:
+        """Every statement the store runs, in this dialect."""
+        return _statements(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Statements:
+    """The event store's SQL in one dialect."""
+
+    insert_event: str
+    insert_run: str
+    """Keeps `runs` in step with `events` for a batch without run.started."""
+    upsert_run: str
+    """insert_run, also setting workflow, goal and started_at (a batch with run.started)."""
+    select_events: str
+    next_seq: str
+    select_runs: str
+    select_prefix: str
+    event_exists: str
+    select_migrations: str
+    insert_migration: str
+
+
+def _statements(d: Dialect) -> Statements:
+    p = d.param
+
+    def n(name: str) -> str:
+        return d.named.format(name)
+
+    # Only a batch with run.started sets workflow, goal and started_at: leaving the indexed
+    # started_at out of the SET list spares SQLite an index page rewrite (one WAL frame less
+    # per append).
+    insert_run = f"""
+INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at)
+VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
+        COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
+        {n("updated_at")})
+ON CONFLICT (run_id) DO UPDATE SET
+    iterations = {d.greatest}(runs.iterations, {n("iterations")}),
+    termination_reason = COALESCE({n("reason")}, runs.termination_reason),
+    updated_at = {d.greatest}(runs.updated_at, {n("updated_at")})"""
+    upsert_run = (
+        f"{insert_run}, workflow = {n('workflow')}, goal = {n('goal')}, "
+        f"started_at = {n('started_at')}"
+    )
+    return Statements(
+        insert_event=(
+            "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
+            f"VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {d.json_param})"
+        ),
+        insert_run=insert_run,
+        upsert_run=upsert_run,
+        select_events=(
+            "SELECT run_id, seq, type, ts, iteration, state, version, data "
+            f"FROM events WHERE run_id = {p} ORDER BY seq"
+        ),
+        next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
+        select_runs=(
+            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason "
+            f"FROM runs ORDER BY started_at DESC, run_id DESC LIMIT {p}"
+        ),
+        select_prefix=(
+            f"SELECT run_id FROM runs WHERE {d.first_chars.format(p)} = {p} "
+            f"ORDER BY run_id{d.byte_order} LIMIT {p}"
+        ),
+        event_exists=f"SELECT 1 FROM events WHERE run_id = {p} AND seq = {p}",
+        select_migrations=f"SELECT version, name FROM schema_migrations WHERE component = {p}",
+        insert_migration=f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
+    )
+
+
+def _sqlite_statements(migration: Migration) -> tuple[str, ...]:
+    return migration.sqlite
+
+
+def _postgres_statements(migration: Migration) -> tuple[str, ...]:
+    return migration.postgres
+
+
+def _as_is(ts: datetime) -> datetime:
+    return ts
+
+
+def _as_utc(ts: datetime) -> datetime:
+    return ts.astimezone(UTC)
+
+
+SQLITE = Dialect(
+    param="?",
+    named=":{}",
+    json_param="?",
+    greatest="MAX",
+    first_chars="substr(run_id, 1, {})",
+    byte_order="",  # SQLite compares TEXT bytewise (BINARY) unless told otherwise
+    migrations_table=SQLITE_MIGRATIONS_TABLE,
+    migration_sql=_sqlite_statements,
+    to_db_ts=format_ts,
+    from_db_ts=parse_ts,
+)
+
+POSTGRES = Dialect(
+    param="%s",
+    named="%({})s",
+    json_param="%s::jsonb",
+    greatest="GREATEST",
+    first_chars="left(run_id, {})",
+    byte_order=' COLLATE "C"',  # the database's collation may not be byte order
+    migrations_table=POSTGRES_MIGRATIONS_TABLE,
+    migration_sql=_postgres_statements,
+    to_db_ts=_as_is,
+    from_db_ts=_as_utc,
+)
+
+
+def event_row(d: Dialect, event: Event) -> tuple[Any, ...]:
+    """The `events` columns of `event`, in insert_event's order."""
+    return (
+        event.run_id,
+        event.seq,
+        event.type.value,
+        d.to_db_ts(event.timestamp),
+        event.iteration,
+        event.state,
+        event.version,
+        encode_data(event),
+    )
+
+
+def row_event(d: Dialect, row: Sequence[Any]) -> Event:
+    """The Event of a select_events row."""
+    run_id, seq, type_, ts, iteration, state, version, data = row
+    return make_event(
+        run_id=run_id,
+        seq=seq,
+        type_=type_,
+        ts=d.from_db_ts(ts),
+        iteration=iteration,
+        state=state,
+        version=version,
+        data=decode_data(data),
+    )
+
+
+def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
+    """The named parameters of insert_run and upsert_run for one run's delta."""
+    return {
+        "run_id": delta.run_id,
+        "workflow": delta.workflow,
+        "goal": delta.goal,
+        "started_at": None if delta.started_at is None else d.to_db_ts(delta.started_at),
+        "first_ts": d.to_db_ts(delta.first_ts),
+        "iterations": delta.iterations,
+        "reason": delta.termination_reason,
+        "updated_at": d.to_db_ts(delta.last_ts),
+    }
+
+
+def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
+    """The RunSummary of a select_runs row."""
+    run_id, workflow, goal, started_at, iterations, reason = row
+    return RunSummary(
+        run_id=run_id,
+        workflow=workflow,
+        goal=goal,
+        started_at=d.from_db_ts(started_at),
+        iterations=int(iterations),
+        termination_reason=reason,
+    )
+
+
+class SqlEventStore:
+    """The EventStore operations both SQL backends share. A backend sets the class attributes
+    and the attributes below, and implements the hooks that raise NotImplementedError.
+    """
+
+    _dialect: ClassVar[Dialect]
+    _logger: ClassVar[logging.Logger]
+    """The backend module's logger, so records keep their origin."""
+    _lock: threading.Lock
+    """Guards the shared connection."""
+    _where: str
+    """The store's location for messages (never a password)."""
+    _driver_error: type[Exception]
+    """The base class of the driver's errors."""
+    _unique_violation: type[Exception]
+    """The driver's error for a duplicate (run_id, seq)."""
+
+    def _live(self) -> Executor:
+        """The open shared connection (called with the lock held); StoreError when closed."""
+        raise NotImplementedError
+
+    def _transaction(self) -> AbstractContextManager[BatchExecutor]:
+        """One committed-or-rolled-back transaction on the shared connection."""
+        raise NotImplementedError
+
+    def _error(self, what: str, exc: Exception) -> StoreError:
+        """The StoreError for a driver error."""
+        raise NotImplementedError
+
+    def _lock_schema(self, cur: Executor) -> None:
+        """Serialize schema set-up with other processes, inside its transaction."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def append(self, events: Sequence[Event]) -> None:
+        """Append a batch atomically and durably.
+
+        Raises:
+            StoreConflictError: a (run_id, seq) of the batch exists already (or twice in it);
+                nothing of the batch is written.
+            StoreError: the database failed.
+        """
+        batch = list(events)
+        if not batch:
+            return
+        check_events(batch)
+        d = self._dialect
+        rows = [event_row(d, e) for e in batch]
+        runs = [
+            (d.sql.insert_run if delta.started_at is None else d.sql.upsert_run, delta)
+            for delta in summarize_batch(batch)
+        ]
+        with self._lock:
+            try:
+                with self._transaction() as cur:
+                    cur.executemany(d.sql.insert_event, rows)
+                    for sql, delta in runs:
+                        cur.execute(sql, run_params(d, delta))
+            except self._unique_violation as exc:
+                raise self._conflict(batch) from exc
+            except self._driver_error as exc:
+                raise self._error("append failed", exc) from exc
+
+    def read(self, run_id: str) -> list[Event]:
+        """Every event of the run in seq order; [] for an unknown run."""
+        rows = self._query(self._dialect.sql.select_events, (run_id,), what="read failed")
+        return [row_event(self._dialect, row) for row in rows]
+
+    def next_seq(self, run_id: str) -> int:
+        """1 + the run's last seq; 1 for a run with no events."""
+        sql = self._dialect.sql.next_seq
+        return int(self._query(sql, (run_id,), what="next_seq failed")[0][0])
+
+    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
+        """The `limit` most recently started runs, newest first."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        rows = self._query(self._dialect.sql.select_runs, (limit,), what="list_runs failed")
+        return [row_summary(self._dialect, row) for row in rows]
+
+    def find_run(self, prefix: str) -> str:
+        """The full id of the run `prefix` names (a full id or a unique prefix of one).
+
+        Raises:
+            RunNotFoundError: no run matches, or several do (the message lists them).
+        """
+        cleaned = clean_prefix(prefix)
+        params = (len(cleaned), cleaned, AMBIGUOUS_SHOWN + 1)
+        rows = self._query(self._dialect.sql.select_prefix, params, what="find_run failed")
+        return resolve_run(cleaned, [row[0] for row in rows])
+
+    def _query(self, sql: str, params: Sequence[Any], *, what: str) -> list[Any]:
+        with self._lock:
+            try:
+                return self._live().execute(sql, params).fetchall()
+            except self._driver_error as exc:
+                raise self._error(what, exc) from exc
+
+    def _migrate_or_close(self) -> None:
+        """Set up the schema when the store opens; close the store if that fails."""
+        try:
+            self._migrate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _migrate(self) -> None:
+        """Apply the pending migrations in one transaction (StoreSchemaError for a schema this
+        code does not know)."""
+        d = self._dialect
+        with self._lock:
+            try:
+                with self._transaction() as cur:
+                    self._lock_schema(cur)
+                    cur.execute(d.migrations_table)
+                    rows = cur.execute(d.sql.select_migrations, (COMPONENT,)).fetchall()
+                    for migration in plan_migrations(dict(rows), where=self._where):
+                        for statement in d.migration_sql(migration):
+                            cur.execute(statement)
+                        now = d.to_db_ts(datetime.now(UTC))
+                        params = (COMPONENT, migration.version, migration.name, now)
+                        cur.execute(d.sql.insert_migration, params)
+                        self._logger.info("%s: applied migration %s", self._where, migration.name)
+            except self._driver_error as exc:
+                raise self._error("cannot set up the event store schema", exc) from exc
+
+    def _conflict(self, batch: Sequence[Event]) -> StoreConflictError:
+        """Name the first (run_id, seq) that made the batch fail (called with the lock held)."""
+        counts = Counter((e.run_id, e.seq) for e in batch)
+        twice = [key for key, n in counts.items() if n > 1]
+        if twice:
+            run_id, seq = twice[0]
+            return StoreConflictError(f"run {run_id}: seq {seq} appears twice in one batch")
+        try:
+            conn = self._live()
+            for event in batch:
+                params = (event.run_id, event.seq)
+                if conn.execute(self._dialect.sql.event_exists, params).fetchone():
+                    return StoreConflictError(f"run {event.run_id}: seq {event.seq} already exists")
+        except self._driver_error as exc:
+            self._logger.warning("%s: could not name the conflicting event: %s", self._where, exc)
+        return StoreConflictError("an event of the batch already exists")

@@ -1,0 +1,281 @@
+"""WorkflowHarness: one workflow under test, its declared transitions, single steps fired with a
+hand-made RunContext (no action runs), and whole runs through the real Kernel with a fake model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pydantic
+
+from fsm_kernel.bootstrap import RunOptions, build_tools, resolve_workflow
+from fsm_kernel.errors import ConfigError
+from fsm_kernel.kernel import Kernel, RunResult
+from fsm_kernel.protocol import ChatModel, EventStore, EventType, ToolExecutor, ToolResult
+from fsm_kernel.testing._models import FunctionChatModel, ScriptedChatModel
+from fsm_kernel.testing._replies import ReplyLike, as_completion, tool_call
+from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, compile_workflow
+from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+
+__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness"]
+
+
+class DeclaredTransition(NamedTuple):
+    """A transition as the workflow file declares it."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, named like FiredTransition's
+    source: str
+    target: str
+    guard: str
+    """The guard label, e.g. "malformed_output and not retries_exhausted"; "" when unguarded."""
+    reason: str | None
+
+
+StepListener = Callable[["WorkflowHarness", FiredTransition], None]
+
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(RunContext))
+_SHORTCUTS = frozenset({"last_reply", "tool_results", "limits"})
+_MISSING: Any = object()
+
+
+class WorkflowHarness:
+    """A workflow under test: its declared transitions, single steps with a hand-made context
+    (no action runs), and whole runs through the real Kernel with a fake model.
+
+    Args:
+        workflow: a workflow file, a stock workflow's name ("react") or a WorkflowSpec.
+
+    Example::
+
+        harness = WorkflowHarness("workflows/default.yaml")
+        assert harness.step("evaluate", iteration=10).reason == "max_iterations"
+        assert harness.step("think", last_reply="42").target == "terminate"
+    """
+
+    def __init__(self, workflow: str | Path | WorkflowSpec) -> None:
+        if isinstance(workflow, WorkflowSpec):
+            self.spec = workflow
+        else:
+            self.spec = load_workflow(resolve_workflow(workflow))
+        self.compiled: CompiledWorkflow = compile_workflow(self.spec)
+        self.fired: list[FiredTransition] = []
+        """Every transition this harness saw fire, by `step()` or `run()`, in order."""
+        self._listeners: list[StepListener] = []
+
+    def __repr__(self) -> str:
+        return f"WorkflowHarness({self.spec.path!r})"
+
+    @property
+    def transitions(self) -> list[DeclaredTransition]:
+        """The declared transitions, in file order."""
+        return [
+            DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
+            for i, t in enumerate(self.spec.transitions)
+        ]
+
+    def add_listener(self, listener: StepListener) -> None:
+        """Call `listener(harness, fired)` for every transition seen from now on."""
+        self._listeners.append(listener)
+
+    # -- contexts and steps ------------------------------------------------------------------
+
+    def context(self, **values: Any) -> RunContext:
+        """A RunContext for this workflow (its limits and tools), with shortcuts:
+
+        * `last_reply="text"`, `last_reply=call(...)` (or any reply shorthand): the last model
+          answer (`last_completion`; a text answer also becomes `answer`);
+        * `tool_results=[("read_file", "output", False), ("datetime", "boom", True)]`: the
+          last act step's results (`last_results` and `tool_calls`); items are
+          (name, output[, is_error]) or ToolCallRecord;
+        * `limits={"max_iterations": 2}` (overrides of the workflow's limits) or a Limits;
+        * any RunContext field: `iteration=`, `failure_streak=`, `malformed_streak=`,
+          `repeat_count=`, `done_answer=`, `fatal_error=`, `malformed_reason=`, `scratch=`...
+
+        Counters are never derived: a failed tool result does not raise `failure_streak`, and a
+        malformed reply needs `malformed_reason=` (what the malformed_output guard reads).
+        """
+        unknown = set(values) - _SHORTCUTS - _CONTEXT_FIELDS
+        if unknown:
+            known = ", ".join(sorted(_SHORTCUTS | _CONTEXT_FIELDS))
+            raise TypeError(
+                f"unknown context field(s) {', '.join(sorted(unknown))} (known: {known})"
+            )
+        if "last_reply" in values and "last_completion" in values:
+            raise TypeError("give last_reply or last_completion, not both")
+        reply = values.pop("last_reply", _MISSING)
+        results = values.pop("tool_results", None)
+        values["limits"] = self._limits(values.get("limits"))
+        values.setdefault("tool_names", tuple(self.spec.tools))
+        ctx = RunContext(**values)
+        if reply is not _MISSING:
+            _set_reply(ctx, reply, keep_answer="answer" in values)
+        if results is not None:
+            ctx.last_results = [_tool_record(item, ctx.iteration) for item in results]
+            if "tool_calls" not in values:
+                ctx.tool_calls = list(ctx.last_results)
+        return ctx
+
+    def step(
+        self, state: str, /, *, context: RunContext | None = None, **values: Any
+    ) -> FiredTransition:
+        """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
+        from `values`), fire one step without running any action, and return the transition.
+        """
+        if state not in self.spec.states:
+            raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
+        if self.spec.states[state].final:
+            raise ValueError(f"state {state!r} is final: no transition leaves it")
+        if context is not None and values:
+            raise TypeError("give context= or context fields, not both")
+        ctx = context if context is not None else self.context(**values)
+        ctx.state_spec = self.spec.states[state]
+        fired = self.compiled.instantiate(ctx, start=state).step()
+        self._seen(fired)
+        return fired
+
+    def _seen(self, fired: FiredTransition) -> None:
+        self.fired.append(fired)
+        for listener in self._listeners:
+            listener(self, fired)
+
+    def _limits(self, given: Limits | Mapping[str, Any] | None) -> Limits:
+        if given is None:
+            return self.spec.limits
+        if isinstance(given, Limits):
+            return given
+        try:
+            return Limits.model_validate({**self.spec.limits.model_dump(), **dict(given)})
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid limits {dict(given)!r}: {problems}") from exc
+
+    # -- whole runs -------------------------------------------------------------------------
+
+    def run(
+        self,
+        prompt: str,
+        *,
+        model: ChatModel,
+        tools: ToolExecutor | Iterable[Callable[..., Any]] | None = None,
+        workspace: str | Path | None = None,
+        limits: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
+        store: EventStore | None = None,
+    ) -> RunResult:
+        """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
+
+        Args:
+            prompt: the user's request.
+            model: the ChatModel, usually a ScriptedChatModel or FunctionChatModel.
+            tools: None for the built-in tools plus the workflow's own; a list of extra tool
+                functions to add to those; or a ToolExecutor used as is (all its tools offered).
+            workspace: the file tools' root (default: a fresh temporary directory).
+            limits: overrides of the workflow's limits, e.g. {"max_iterations": 2}.
+            system_prompt: instead of the workflow's (memory files are never loaded here).
+            store: an EventStore to record into (default: none; events are in the result).
+
+        Raises:
+            AssertionError: a ScriptedChatModel ran out of replies during the run
+                (ScriptExhaustedError), or a FunctionChatModel's function failed an assertion.
+        """
+        return asyncio.run(
+            self.arun(
+                prompt,
+                model=model,
+                tools=tools,
+                workspace=workspace,
+                limits=limits,
+                system_prompt=system_prompt,
+                store=store,
+            )
+        )
+
+    async def arun(
+        self,
+        prompt: str,
+        *,
+        model: ChatModel,
+        tools: ToolExecutor | Iterable[Callable[..., Any]] | None = None,
+        workspace: str | Path | None = None,
+        limits: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
+        store: EventStore | None = None,
+    ) -> RunResult:
+        """`run` for async code (same arguments)."""
+        spec = self.spec
+        with _workspace(workspace) as root:
+            registry, offered = _build_tools(spec, tools, root)
+            kernel = Kernel(
+                compile_workflow(spec),
+                model=model,
+                tools=registry,
+                store=store,
+                system_prompt=spec.system_prompt if system_prompt is None else system_prompt,
+                tool_names=offered,
+                limits=self._limits(limits),
+            )
+            result = await kernel.run(prompt)
+        for event in result.events:
+            if event.type is EventType.TRANSITION_TAKEN:
+                self._seen(_fired_from_event(spec, event.data))
+        if isinstance(model, ScriptedChatModel | FunctionChatModel) and model.failure is not None:
+            raise model.failure
+        return result
+
+
+def _set_reply(ctx: RunContext, reply: ReplyLike | None, *, keep_answer: bool) -> None:
+    ctx.last_completion = None if reply is None else as_completion(reply)
+    message = ctx.last_completion.message if ctx.last_completion else None
+    if message is not None and not message.tool_calls and not keep_answer:
+        ctx.answer = message.content
+
+
+def _tool_record(item: ToolCallRecord | tuple[Any, ...], iteration: int) -> ToolCallRecord:
+    if isinstance(item, ToolCallRecord):
+        return item
+    if not isinstance(item, tuple) or len(item) not in (2, 3):
+        raise TypeError(
+            f"a tool result is (name, output[, is_error]) or a ToolCallRecord, not {item!r}"
+        )
+    name, output = item[0], item[1]
+    is_error = bool(item[2]) if len(item) == 3 else False
+    result = ToolResult(content=str(output), is_error=is_error)
+    return ToolCallRecord(iteration=iteration, call=tool_call(name), result=result)
+
+
+@contextlib.contextmanager
+def _workspace(given: str | Path | None) -> Iterator[Path]:
+    if given is not None:
+        yield Path(given)
+        return
+    with tempfile.TemporaryDirectory(prefix="fsm-kernel-test-") as tmp:
+        yield Path(tmp)
+
+
+def _build_tools(
+    spec: WorkflowSpec, tools: ToolExecutor | Iterable[Callable[..., Any]] | None, root: Path
+) -> tuple[ToolExecutor, list[str]]:
+    if isinstance(tools, ToolExecutor):
+        return tools, [t.name for t in tools.list_tools()]
+    options = RunOptions(workspace=str(root), extra_tools=list(tools or ()))
+    return build_tools(spec, options)
+
+
+def _fired_from_event(spec: WorkflowSpec, data: Mapping[str, Any]) -> FiredTransition:
+    target = str(data["target"])
+    return FiredTransition(
+        int(data["index"]),
+        str(data["source"]),
+        target,
+        str(data.get("guard") or ""),
+        data.get("reason"),
+        spec.states[target].final,
+    )
