@@ -7,19 +7,24 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import signal
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from fsm_kernel.bootstrap import RunOptions, build_kernel, resolve_workflow
-from fsm_kernel.cli.commands import load_spec
+from fsm_kernel.api import Agent
+from fsm_kernel.bootstrap import RunOptions, resolve_workflow
 from fsm_kernel.cli.output import cut
+from fsm_kernel.errors import ScheduleError, StoreConflictError
 from fsm_kernel.scheduler import (
     AgentRunner,
     AgentSpec,
     CycleResult,
+    Dispatch,
+    DispatchQueue,
+    DispatchStatus,
     RunOutcome,
     Scheduler,
     SchedulerConfig,
@@ -29,9 +34,9 @@ from fsm_kernel.scheduler import (
     open_queue,
     state_tools,
 )
-from fsm_kernel.store import open_store
 
 EXIT_OK, EXIT_FAIL = 0, 1
+_DISPATCH_ID = re.compile(r"[0-9A-Fa-f-]{1,36}")
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +62,25 @@ def register(sub: Any) -> None:
     p.add_argument("--base-url")
     p.add_argument("--model")
     p.set_defaults(handler=cmd_worker)
-    p = sub.add_parser("dispatches", help="recent dispatches of a scheduler config")
+    p = sub.add_parser(
+        "dispatches",
+        help="recent dispatches of a scheduler config; --cancel stops one",
+        description="Lists the most recent dispatches: status, attempts (claims so far / "
+        "max_attempts), and the run's termination reason or the error. A dispatch whose worker "
+        "died max_attempts times is failed ('abandoned after 3 attempts: lease expired'). "
+        "--cancel DISPATCH_ID (the full id or a unique prefix) cancels a pending dispatch at "
+        "once; a running one is stopped by its worker within one heartbeat (at once on "
+        "PostgreSQL) and its run ends with the reason 'cancelled'. An unknown or finished "
+        "dispatch is a usage error (exit 2).",
+    )
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--cancel",
+        metavar="DISPATCH_ID",
+        help="cancel this pending or running dispatch instead of listing",
+    )
     p.set_defaults(handler=cmd_dispatches)
 
 
@@ -83,24 +103,18 @@ async def _run_agent(
     agent: AgentSpec,
     prompt: str,
 ) -> RunOutcome:
-    # load_spec puts the workflow's folder and the cwd on sys.path, as `fsm-kernel run` does,
-    # so a workflow's own `package.module:function` code imports.
-    spec = load_spec(str(_agent_workflow(agent.workflow, config_path)))
-    agent_options = RunOptions(
+    # The same public API as `fsm-kernel run` and users' Python code: the workflow's folder is
+    # importable (its own `package.module:function` code), the store and client are closed.
+    workflow = Agent(
+        str(_agent_workflow(agent.workflow, config_path)),
         model=options.model,
         base_url=options.base_url,
-        timeout_seconds=float(config.timeout_seconds),
-        extra_tools=state_tools(config.state_file),
+        timeout=float(config.timeout_seconds),
+        tools=state_tools(config.state_file),
+        store=config.store,
     )
-    store = open_store(config.store)
-    try:
-        kernel, model = build_kernel(spec, agent_options, store=store)
-        try:
-            result = await kernel.run(prompt)
-        finally:
-            await model.aclose()
-    finally:
-        store.close()
+    async with workflow:
+        result = await workflow.run(prompt)
     return RunOutcome(
         ok=result.ok,
         run_id=result.run_id,
@@ -244,6 +258,8 @@ def cmd_dispatches(args: argparse.Namespace) -> int:
     config = load_scheduler_config(Path(args.config))
     queue = open_queue(config.store)
     try:
+        if args.cancel is not None:
+            return _cancel(config, queue, args.cancel, as_json=args.json)
         rows = queue.list(config.kernel_id, limit=args.limit)
     finally:
         queue.close()
@@ -253,12 +269,69 @@ def cmd_dispatches(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no dispatches for {config.kernel_id} yet", file=sys.stderr)
         return EXIT_OK
-    print(f"{'DISPATCH':36}  {'AGENT':14}  {'STATUS':8}  {'CREATED':19}  {'REASON / ERROR'}")
+    print(
+        f"{'DISPATCH':36}  {'AGENT':14}  {'STATUS':9}  {'ATTEMPTS':8}  {'CREATED':19}  "
+        "REASON / ERROR"
+    )
     for r in rows:
-        d = r.to_dict()
-        detail = d.get("termination_reason") or cut(d.get("error") or "", 60)
         print(
-            f"{d['dispatch_id']:36}  {cut(d['agent_id'], 14):14}  {d['status']:8}  "
-            f"{str(d.get('created_at', ''))[:19]:19}  {detail}"
+            f"{r.dispatch_id:36}  {cut(r.agent_id, 14):14}  {r.status.value:9}  "
+            f"{f'{r.attempts}/{r.max_attempts}':8}  {r.created_at.isoformat()[:19]:19}  "
+            f"{_row_detail(r)}"
         )
     return EXIT_OK
+
+
+def _row_detail(row: Dispatch) -> str:
+    if row.status is DispatchStatus.RUNNING and row.cancel_requested_at is not None:
+        return "cancel requested"
+    if row.termination_reason and row.error and row.status is not DispatchStatus.DONE:
+        return f"{row.termination_reason}: {cut(row.error, 60)}"
+    return row.termination_reason or cut(row.error or "", 60)
+
+
+def _cancel(config: SchedulerConfig, queue: DispatchQueue, wanted: str, *, as_json: bool) -> int:
+    """`dispatches --cancel`: one line on stdout saying what happened and what comes next."""
+    dispatch_id = _resolve_dispatch(config, queue, wanted)
+    try:
+        row = queue.cancel(config.kernel_id, dispatch_id)
+    except StoreConflictError as exc:  # finished meanwhile, or before
+        raise ScheduleError(f"cannot cancel: {exc}") from None
+    if row is None:  # deleted under our feet; reported like an unknown id
+        raise ScheduleError(f"cannot cancel: no dispatch {dispatch_id} in {config.kernel_id}")
+    if as_json:
+        print(json.dumps(row.to_dict(), ensure_ascii=False))
+    elif row.status is DispatchStatus.CANCELLED and row.started_at is None:
+        print(f"cancelled {row.dispatch_id} ({row.agent_id}): it was pending and never ran")
+    elif row.status is DispatchStatus.CANCELLED:
+        print(
+            f"cancelled {row.dispatch_id} ({row.agent_id}): the lease of worker "
+            f"{row.worker_id} had expired (the worker is gone), so no run is going on"
+        )
+    else:
+        print(
+            f"cancel requested for {row.dispatch_id} ({row.agent_id}), running on worker "
+            f"{row.worker_id}: it stops the run within {config.heartbeat_interval:g} s (one "
+            "heartbeat) and the run ends 'cancelled'; if that worker is dead, the dispatch is "
+            f"marked cancelled when its lease expires at {_when(row.lease_expires_at)}"
+        )
+    return EXIT_OK
+
+
+def _resolve_dispatch(config: SchedulerConfig, queue: DispatchQueue, wanted: str) -> str:
+    """The full id of the dispatch `wanted` names (the id or a unique prefix of it)."""
+    hint = "(see 'fsm-kernel dispatches CONFIG')"
+    if not _DISPATCH_ID.fullmatch(wanted):
+        raise ScheduleError(f"cannot cancel: {wanted!r} is not a dispatch id {hint}")
+    matches = queue.find(config.kernel_id, wanted.lower())
+    if not matches:
+        raise ScheduleError(
+            f"cannot cancel: no dispatch {wanted} in kernel {config.kernel_id} {hint}"
+        )
+    if len(matches) > 1:
+        raise ScheduleError(f"cannot cancel: {wanted} is the start of several dispatch ids {hint}")
+    return matches[0].dispatch_id
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.isoformat(timespec="seconds") if moment is not None else "-"

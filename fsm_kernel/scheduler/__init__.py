@@ -21,8 +21,10 @@ from fsm_kernel.scheduler.executor import (
 from fsm_kernel.scheduler.planner import Plan, PlannedDispatch, SkippedAgent, plan_dispatches
 from fsm_kernel.scheduler.queue import (
     Dispatch,
+    DispatchListener,
     DispatchQueue,
     DispatchStatus,
+    QueueSignal,
     SqliteDispatchQueue,
     open_queue,
 )
@@ -36,11 +38,13 @@ __all__ = [
     "CycleResult",
     "Dispatch",
     "DispatchDetail",
+    "DispatchListener",
     "DispatchQueue",
     "DispatchStatus",
     "ExecutionStatus",
     "Plan",
     "PlannedDispatch",
+    "QueueSignal",
     "RunOutcome",
     "Scheduler",
     "SchedulerConfig",

@@ -7,6 +7,7 @@ i.e. relative to the working directory of the process that uses them.
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +20,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -27,6 +29,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from fsm_kernel.config import default_store_location
 from fsm_kernel.errors import ScheduleError, StoreLocationError
 from fsm_kernel.scheduler.cron import check_cron_expression
+from fsm_kernel.scheduler.queue import DEFAULT_MAX_ATTEMPTS
 from fsm_kernel.store import parse_store_location
 from fsm_kernel.workflow.loader import (
     StrictBoolLoader,
@@ -46,6 +49,7 @@ __all__ = [
 
 DEFAULT_SCHEDULE = "*/10 * * * *"
 DEFAULT_STATE_DIR = "~/.fsm-kernel/kernel"
+DEFAULT_HEARTBEAT_SECONDS = 10.0
 STATE_FILE_NAME = "STATE.md"
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -84,7 +88,17 @@ class SchedulerConfig(BaseModel):
     timeout_seconds: _Seconds = 900.0
     """Wall-clock cap on one dispatch's kernel run."""
     lease_seconds: _Seconds = 1800.0
-    """How long a claimed dispatch stays owned without a heartbeat."""
+    """How long a claimed dispatch stays owned without a heartbeat: a dead worker's dispatch is
+    reclaimed at most this long after its last heartbeat."""
+    heartbeat_seconds: _Seconds | None = None
+    """How often a running dispatch renews its lease and checks for a cancel request; at most
+    half of lease_seconds. Default: a third of lease_seconds, at most 10 s."""
+    max_attempts: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_MAX_ATTEMPTS
+    """Claims of a dispatch whose lease keeps expiring (its worker died each time) before it is
+    marked failed and never claimed again."""
+    poll_seconds: _Seconds = 1.0
+    """How often an idle worker looks at the queue: PostgreSQL also wakes it at once (LISTEN/
+    NOTIFY), SQLite only polls."""
     max_concurrent: Annotated[int, Field(strict=True, ge=1)] = 3
     """Dispatches running at once across every scheduler and worker sharing the store."""
     store: Annotated[str, Field(strict=True, min_length=1)] = Field(
@@ -104,6 +118,17 @@ class SchedulerConfig(BaseModel):
             parse_store_location(value)
         except StoreLocationError as exc:
             raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("heartbeat_seconds")
+    @classmethod
+    def _beats_within_the_lease(cls, value: float | None, info: ValidationInfo) -> float | None:
+        lease = info.data.get("lease_seconds")
+        if value is not None and lease is not None and value > lease / 2:
+            raise ValueError(
+                f"must be at most half of lease_seconds ({lease:g} s), so that one late "
+                "heartbeat does not lose the lease"
+            )
         return value
 
     @field_validator("schedule")
@@ -128,13 +153,25 @@ class SchedulerConfig(BaseModel):
         return self
 
     @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between two heartbeats of a running dispatch."""
+        if self.heartbeat_seconds is not None:
+            return self.heartbeat_seconds
+        return min(DEFAULT_HEARTBEAT_SECONDS, self.lease_seconds / 3)
+
+    @property
     def state_file(self) -> Path:
         """Where this kernel's STATE.md lives (user home expanded)."""
         return Path(self.state_dir).expanduser() / self.kernel_id / STATE_FILE_NAME
 
     def agent(self, agent_id: str) -> AgentSpec | None:
         """The agent with that id, or None."""
-        return next((a for a in self.agents if a.agent_id == agent_id), None)
+        return self._agents_by_id.get(agent_id)
+
+    @cached_property
+    def _agents_by_id(self) -> dict[str, AgentSpec]:
+        """Built once: a worker looks an agent up for every dispatch it claims."""
+        return {a.agent_id: a for a in self.agents}
 
 
 def load_scheduler_config(path: str | Path) -> SchedulerConfig:
@@ -240,7 +277,8 @@ def _child(node: yaml.Node, part: int | str, *, key: bool) -> yaml.Node | None:
         and isinstance(part, int)
         and 0 <= part < len(node.value)
     ):
-        return node.value[part]
+        item: yaml.Node = node.value[part]
+        return item
     return None
 
 

@@ -67,6 +67,10 @@ class CycleResult:
         return sum(d.status is ExecutionStatus.ABANDONED for d in self.details)
 
     @property
+    def cancelled(self) -> int:
+        return sum(d.status is ExecutionStatus.CANCELLED for d in self.details)
+
+    @property
     def lost(self) -> int:
         return sum(d.status is ExecutionStatus.LOST for d in self.details)
 
@@ -79,6 +83,7 @@ class CycleResult:
             "succeeded": self.succeeded,
             "failed": self.failed,
             "skipped": self.skipped,
+            "cancelled": self.cancelled,
             "abandoned": self.abandoned,
             "lost": self.lost,
             "enqueued_ids": list(self.enqueued_ids),
@@ -188,8 +193,12 @@ class Scheduler:
 
     async def _cycle(self, tick: datetime, *, scheduled: bool = True) -> CycleResult:
         state = await asyncio.to_thread(self._prepare_and_read_state)
-        latest = await asyncio.to_thread(self.queue.latest_per_agent, self.config.kernel_id)
-        plan = plan_dispatches(self.config.agents, state, latest)
+        kernel_id = self.config.kernel_id
+        # Dispatches abandoned after max_attempts (or cancelled while their worker was dead)
+        # are finished first, so their agents are planned afresh by this very tick.
+        await asyncio.to_thread(self.queue.reap, kernel_id)
+        active = await asyncio.to_thread(self.queue.active_per_agent, kernel_id)
+        plan = plan_dispatches(self.config.agents, state, active)
         stamp = tick_key(tick).isoformat() if scheduled else f"manual:{new_id()}"
         enqueued, duplicates = await self._enqueue(plan, stamp)
         details = await self._drain() if not self.stopping else []
@@ -215,6 +224,7 @@ class Scheduler:
                 item.prompt,
                 agent.priority,
                 f"{self.config.kernel_id}:{agent.agent_id}:{stamp}",
+                max_attempts=self.config.max_attempts,
             )
             if dispatch is None:
                 duplicates.append(SkippedAgent(agent_id=agent.agent_id, reason="duplicate"))
@@ -283,7 +293,7 @@ class Scheduler:
 
     async def _wait(self, seconds: float) -> None:
         """Sleep (injected) until the delay passes or stop() is called."""
-        sleeper = asyncio.create_task(self._sleep(max(seconds, 0.0)))
+        sleeper = asyncio.create_task(_awaited(self._sleep(max(seconds, 0.0))))
         stopper = asyncio.create_task(self._stop_requested.wait())
         try:
             await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -315,3 +325,8 @@ def _summarize(
         skipped_agents=skipped,
         enqueued_ids=tuple(enqueued),
     )
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    """An awaitable (the injected sleep) as a coroutine, which create_task needs."""
+    await awaitable

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import socket
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,7 +19,7 @@ from typing import Any
 
 from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.scheduler.config import AgentSpec, SchedulerConfig
-from fsm_kernel.scheduler.queue import Dispatch, DispatchQueue, DispatchStatus
+from fsm_kernel.scheduler.queue import CANCELLED_RUNNING, Dispatch, DispatchQueue, DispatchStatus
 
 __all__ = [
     "AgentRunner",
@@ -53,6 +54,8 @@ AgentRunner = Callable[[AgentSpec, str], Awaitable[RunOutcome]]
 class ExecutionStatus(StrEnum):
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
+    """Stopped on request (`dispatches --cancel`); the run ends with the reason `cancelled`."""
     ABANDONED = "abandoned"
     """Stopped mid-run on purpose; the lease is left to expire so another worker reclaims it."""
     LOST = "lost"
@@ -111,6 +114,15 @@ class DispatchExecutor:
         self.queue = queue
         self.runner = runner
         self.worker_id = worker_id
+        self._cancels: dict[str, asyncio.Event] = {}
+
+    def request_cancel(self, dispatch_id: str) -> bool:
+        """Stop the run of a dispatch this executor is running (a cancel was requested); False
+        if it runs none by that id."""
+        event = self._cancels.get(dispatch_id)
+        if event is not None:
+            event.set()
+        return event is not None
 
     async def execute(
         self, dispatch: Dispatch, *, abandon: asyncio.Event | None = None
@@ -118,60 +130,54 @@ class DispatchExecutor:
         """Run a dispatch this worker has claimed and record its outcome.
 
         Never raises for a failing run: a raised exception or a timeout becomes a failed
-        dispatch. If `abandon` is set mid-run, or this task is cancelled, the run is cancelled
-        and the dispatch left running for its lease to expire.
+        dispatch, a cancel request (seen at a heartbeat, or through request_cancel) a cancelled
+        one. On a cancel request or the timeout the runner's task is cancelled, which the kernel
+        records as the end of the run with the reason `cancelled`; the run id is kept from what
+        the runner then returns. If `abandon` is set mid-run, or this task is cancelled, the run
+        is cancelled and the dispatch left running for its lease to expire.
         """
         agent = self.config.agent(dispatch.agent_id)
         if agent is None:
             error = f"agent {dispatch.agent_id!r} is not in the scheduler config"
-            return await self._finish(dispatch, RunOutcome(ok=False, error=error))
-        run = asyncio.create_task(self._run(agent, dispatch))
-        beat = asyncio.create_task(self._heartbeats(dispatch))
-        stop = asyncio.create_task((abandon or asyncio.Event()).wait())
+            return await self._finish(dispatch, RunOutcome(ok=False, error=error), False)
+        cancel = self._cancels[dispatch.dispatch_id] = asyncio.Event()
+        run = asyncio.create_task(_invoke(self.runner, agent, dispatch.prompt))
+        beat = asyncio.create_task(self._heartbeats(dispatch, cancel))
+        stops = [asyncio.create_task(e.wait()) for e in (cancel, abandon) if e is not None]
+        timeout = self.config.timeout_seconds
         try:
-            await asyncio.wait({run, beat, stop}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {run, beat, *stops}, timeout=timeout, return_when=FIRST_COMPLETED
+            )
+            ended = run.done()
+            interrupted = not ended and (cancel.is_set() or not done)
+            if interrupted:  # a cancel request or the timeout: let the kernel record the end
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
         finally:
-            await _cancel(run, beat, stop)
-        if run.done() and not run.cancelled():
-            return await self._finish(dispatch, run.result())
+            await _cancel(run, beat, *stops)
+            self._cancels.pop(dispatch.dispatch_id, None)
+        if ended:
+            return await self._finish(dispatch, _outcome(run, dispatch), cancel.is_set())
+        if interrupted:
+            outcome = _interrupted(run, dispatch, cancelled=cancel.is_set(), timeout=timeout)
+            return await self._finish(dispatch, outcome, cancel.is_set())
         if beat.done() and not beat.cancelled():
             return _detail(dispatch, ExecutionStatus.LOST, error=beat.result())
         logger.warning("dispatch %s (%s) abandoned mid-run", dispatch.dispatch_id, agent.agent_id)
         return _detail(dispatch, ExecutionStatus.ABANDONED)
 
-    async def _run(self, agent: AgentSpec, dispatch: Dispatch) -> RunOutcome:
-        timeout = self.config.timeout_seconds
-        try:
-            outcome = await asyncio.wait_for(self.runner(agent, dispatch.prompt), timeout)
-        except TimeoutError:
-            logger.warning("dispatch %s (%s) timed out", dispatch.dispatch_id, agent.agent_id)
-            return RunOutcome(
-                ok=False, termination_reason="timeout", error=f"timed out after {timeout:g} s"
-            )
-        except Exception as exc:  # one failing run must never take the others down
-            logger.warning(
-                "dispatch %s (%s) failed: %s",
-                dispatch.dispatch_id,
-                agent.agent_id,
-                one_line_error(exc),
-            )
-            logger.debug("dispatch %s failed", dispatch.dispatch_id, exc_info=True)
-            return RunOutcome(ok=False, error=one_line_error(exc))
-        if not isinstance(outcome, RunOutcome):
-            return RunOutcome(ok=False, error=f"runner returned {type(outcome).__name__}")
-        return outcome
-
-    async def _heartbeats(self, dispatch: Dispatch) -> str:
-        """Renew the lease every lease/3 seconds; returns why the lease was lost."""
-        lease = self.config.lease_seconds
+    async def _heartbeats(self, dispatch: Dispatch, cancel: asyncio.Event) -> str:
+        """Renew the lease every heartbeat interval, and notice a cancel request there; returns
+        why the lease was lost."""
         while True:
-            await asyncio.sleep(lease / 3)
+            await asyncio.sleep(self.config.heartbeat_interval)
             try:
-                await asyncio.to_thread(
+                row = await asyncio.to_thread(
                     self.queue.heartbeat,
                     dispatch.dispatch_id,
                     self.worker_id,
-                    lease,
+                    self.config.lease_seconds,
                     attempt=dispatch.attempts,
                 )
             except StoreConflictError as exc:
@@ -179,9 +185,20 @@ class DispatchExecutor:
                 return str(exc)
             except StoreError as exc:  # transient: keep running, retry at the next beat
                 logger.warning("dispatch %s: heartbeat failed: %s", dispatch.dispatch_id, exc)
+                continue
+            if row.cancel_requested_at is not None and not cancel.is_set():
+                logger.info("dispatch %s: cancel requested, stopping its run", dispatch.dispatch_id)
+                cancel.set()
 
-    async def _finish(self, dispatch: Dispatch, outcome: RunOutcome) -> DispatchDetail:
-        status = ExecutionStatus.DONE if outcome.ok else ExecutionStatus.FAILED
+    async def _finish(
+        self, dispatch: Dispatch, outcome: RunOutcome, cancel_requested: bool
+    ) -> DispatchDetail:
+        if outcome.ok:
+            status = ExecutionStatus.DONE
+        elif cancel_requested:
+            status = ExecutionStatus.CANCELLED
+        else:
+            status = ExecutionStatus.FAILED
         try:
             await asyncio.to_thread(
                 self.queue.complete,
@@ -192,6 +209,7 @@ class DispatchExecutor:
                 termination_reason=outcome.termination_reason,
                 error=outcome.error,
                 attempt=dispatch.attempts,
+                max_concurrent=self.config.max_concurrent,
             )
         except StoreError as exc:
             logger.warning("dispatch %s: outcome not recorded: %s", dispatch.dispatch_id, exc)
@@ -204,6 +222,50 @@ class DispatchExecutor:
             outcome.termination_reason or outcome.error or "",
         )
         return _detail(dispatch, status, outcome=outcome)
+
+
+async def _invoke(runner: AgentRunner, agent: AgentSpec, prompt: str) -> RunOutcome:
+    """The runner's awaitable as a coroutine, which create_task needs."""
+    return await runner(agent, prompt)
+
+
+def _outcome(inner: asyncio.Task[RunOutcome], dispatch: Dispatch) -> RunOutcome:
+    """What a runner that ended by itself reports; a raised exception is a failed run."""
+    if inner.cancelled():
+        return RunOutcome(ok=False, error="the runner was cancelled")
+    exc = inner.exception()
+    if exc is not None:  # one failing run must never take the others down
+        logger.warning(
+            "dispatch %s (%s) failed: %s",
+            dispatch.dispatch_id,
+            dispatch.agent_id,
+            one_line_error(exc),
+        )
+        logger.debug("dispatch %s failed", dispatch.dispatch_id, exc_info=exc)
+        return RunOutcome(ok=False, error=one_line_error(exc))
+    outcome = inner.result()
+    if not isinstance(outcome, RunOutcome):
+        return RunOutcome(ok=False, error=f"runner returned {type(outcome).__name__}")
+    return outcome
+
+
+def _interrupted(
+    inner: asyncio.Task[RunOutcome], dispatch: Dispatch, *, cancelled: bool, timeout: float
+) -> RunOutcome:
+    """A run stopped by a cancel request or by the timeout, with the run id it reported."""
+    returned = None if inner.cancelled() or inner.exception() else inner.result()
+    run_id = returned.run_id if isinstance(returned, RunOutcome) else None
+    if cancelled:
+        return RunOutcome(
+            ok=False, run_id=run_id, termination_reason="cancelled", error=CANCELLED_RUNNING
+        )
+    logger.warning("dispatch %s (%s) timed out", dispatch.dispatch_id, dispatch.agent_id)
+    return RunOutcome(
+        ok=False,
+        run_id=run_id,
+        termination_reason="timeout",
+        error=f"timed out after {timeout:g} s",
+    )
 
 
 def _detail(

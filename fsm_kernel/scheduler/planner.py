@@ -1,5 +1,5 @@
 """The planner: which configured agents to dispatch this tick, and with which prompt. Pure: no
-I/O, no clock; the engine hands it STATE.md's text and each agent's latest dispatch.
+I/O, no clock; the engine hands it STATE.md's text and each agent's active dispatch.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def plan_dispatches(
     Args:
         agents: The configured agents, in config order.
         state: The whole text of STATE.md.
-        latest: Each agent's most recent dispatch, by agent_id (absent: never dispatched).
+        latest: Each agent's pending or running dispatch, by agent_id (its most recent one
+            works too: only an active one prevents a new dispatch).
     """
     planned: list[PlannedDispatch] = []
     skipped: list[SkippedAgent] = []

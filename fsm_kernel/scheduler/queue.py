@@ -1,13 +1,21 @@
-"""The dispatch queue: the `DispatchQueue` port, the `Dispatch` row, the SQLite adapter (one
-machine, the default) and `open_queue`, which picks the backend from the `store` setting.
+"""The dispatch queue: the `DispatchQueue` port, the `Dispatch` row, what both adapters share
+(statuses, messages, the schema version) and `open_queue`, which picks the backend from the
+`store` setting. The adapters live in sqlite_queue.py (one machine, the default) and pg_queue.py.
 
 Lease semantics, shared by both adapters:
 - a claim sets status=running, the worker id, attempts+1 and lease_expires_at = now + lease;
-- a running dispatch whose lease has expired is claimable again by anyone (reclaim), and does not
-  count against `max_concurrent`;
+- a running dispatch whose lease has expired does not count against `max_concurrent` and is
+  claimable again by anyone (reclaim), unless it was claimed `max_attempts` times already: then
+  it is marked failed ("abandoned after 3 attempts: lease expired") and never claimed again;
 - heartbeat and complete are fenced: they succeed only while the row is still running under the
   same worker id (and the same attempt, when given), otherwise StoreConflictError;
+- cancel: a pending dispatch becomes cancelled at once; a running one gets cancel_requested_at,
+  which its worker sees at its next heartbeat (at once on PostgreSQL, through NOTIFY), stops the
+  run and completes the dispatch as cancelled; if its lease runs out first it is marked
+  cancelled, never reclaimed;
 - one active (pending or running) dispatch per (kernel_id, agent_id), enforced by a unique index;
+- claims read partial indexes over pending and running rows only, so their cost does not grow
+  with the finished history;
 - time comes from the injected Clock, never from the database.
 """
 
@@ -15,31 +23,41 @@ from __future__ import annotations
 
 import builtins
 import logging
-import sqlite3
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import StrEnum
-from pathlib import Path
+from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
-from fsm_kernel.errors import ConfigError, StoreConflictError, StoreError, StoreSchemaError
-from fsm_kernel.protocol import Clock, SystemClock, new_id
+from fsm_kernel.errors import ConfigError, StoreConflictError, StoreError
+from fsm_kernel.protocol import Clock
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
+    "LEGACY_TABLE",
+    "NOTIFY_CHANNEL",
     "SCHEMA_VERSION",
+    "TABLE",
     "Dispatch",
+    "DispatchListener",
     "DispatchQueue",
     "DispatchStatus",
+    "QueueSignal",
     "SqliteDispatchQueue",
     "open_queue",
 ]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: table dispatch_tasks. 2: renamed kernel_dispatch_tasks (the design's name), with
+max_attempts, cancel_requested_at, the cancelled status and partial claim indexes."""
+TABLE = "kernel_dispatch_tasks"
+LEGACY_TABLE = "dispatch_tasks"
+DEFAULT_MAX_ATTEMPTS = 3
+NOTIFY_CHANNEL = "fsm_kernel_dispatch"
+"""PostgreSQL channel; payloads are `<kind> <kernel_id> <dispatch_id>` (see QueueSignal)."""
 
 
 class DispatchStatus(StrEnum):
@@ -47,12 +65,13 @@ class DispatchStatus(StrEnum):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 ACTIVE_STATUSES = frozenset({DispatchStatus.PENDING, DispatchStatus.RUNNING})
-FINAL_STATUSES = frozenset({DispatchStatus.DONE, DispatchStatus.FAILED})
+FINAL_STATUSES = frozenset({DispatchStatus.DONE, DispatchStatus.FAILED, DispatchStatus.CANCELLED})
 
-COLUMNS = (
+COLUMNS: tuple[str, ...] = (
     "dispatch_id",
     "kernel_id",
     "agent_id",
@@ -63,14 +82,24 @@ COLUMNS = (
     "worker_id",
     "lease_expires_at",
     "attempts",
+    "max_attempts",
     "run_id",
     "termination_reason",
     "error",
     "created_at",
     "started_at",
     "finished_at",
+    "cancel_requested_at",
 )
+LEGACY_COLUMNS: tuple[str, ...] = tuple(
+    c for c in COLUMNS if c not in ("max_attempts", "cancel_requested_at")
+)
+"""The columns of schema version 1, copied as they are by the migration."""
 _TIME_COLUMNS = ("lease_expires_at", "created_at", "started_at", "finished_at")
+
+CANCELLED_PENDING = "cancelled while pending: it never ran"
+CANCELLED_EXPIRED = "cancelled: its worker's lease expired before it stopped the run"
+CANCELLED_RUNNING = "cancelled on request"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +125,10 @@ class Dispatch:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Claims allowed before a dispatch whose lease expired is abandoned (marked failed)."""
+    cancel_requested_at: datetime | None = None
+    """When `dispatches --cancel` asked the worker running it to stop."""
 
     @property
     def is_active(self) -> bool:
@@ -117,25 +150,68 @@ class Dispatch:
     def from_row(cls, row: Mapping[str, Any]) -> Dispatch:
         """Build from a database row; times may be datetimes or ISO strings."""
         values = {name: row[name] for name in COLUMNS}
-        for name in _TIME_COLUMNS:
+        for name in (*_TIME_COLUMNS, "cancel_requested_at"):
             values[name] = _as_datetime(values[name])
         values["status"] = DispatchStatus(values["status"])
-        values["priority"] = int(values["priority"])
-        values["attempts"] = int(values["attempts"])
+        for name in ("priority", "attempts", "max_attempts"):
+            values[name] = int(values[name])
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class QueueSignal:
+    """A notification from the queue: `enqueued`, `ended` (a slot may be free), `cancel` (a
+    running dispatch should stop), or `reconnected` (notifications may have been missed)."""
+
+    kind: str
+    kernel_id: str
+    dispatch_id: str = ""
+
+    @classmethod
+    def parse(cls, payload: str) -> QueueSignal | None:
+        parts = payload.split(" ")
+        if len(parts) != 3:
+            return None
+        return cls(*parts)
+
+
+class DispatchListener(Protocol):
+    """Wake-ups for one kernel's workers; an async context manager."""
+
+    async def __aenter__(self) -> DispatchListener: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    async def get(self) -> QueueSignal:
+        """The next signal for this kernel (waits for it)."""
+        ...
 
 
 @runtime_checkable
 class DispatchQueue(Protocol):
-    """Where ticks put dispatches and workers take them. Every method is synchronous and safe to
-    call from several threads; the async engine calls them through asyncio.to_thread."""
+    """Where ticks put dispatches and workers take them. Every method but `listener` is
+    synchronous and safe to call from several threads; the async engine calls them through
+    asyncio.to_thread."""
 
     def ensure_schema(self) -> None:
-        """Create the tables if missing (idempotent). StoreSchemaError if they are newer."""
+        """Create the tables if missing and migrate older ones (idempotent, nothing lost).
+        StoreSchemaError if they are newer than this code."""
         ...
 
     def enqueue(
-        self, kernel_id: str, agent_id: str, prompt: str, priority: int, dedupe_key: str | None
+        self,
+        kernel_id: str,
+        agent_id: str,
+        prompt: str,
+        priority: int,
+        dedupe_key: str | None,
+        *,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> Dispatch | None:
         """Add a pending dispatch. None when the dedupe key is taken or the agent already has
         an active (pending or running) dispatch."""
@@ -144,15 +220,17 @@ class DispatchQueue(Protocol):
     def claim(
         self, kernel_id: str, worker_id: str, lease_seconds: float, max_concurrent: int
     ) -> Dispatch | None:
-        """Take the best claimable dispatch (highest priority, then oldest; expired leases
-        included) unless `max_concurrent` dispatches of the kernel already run under live
-        leases. None when there is nothing to take or no free slot."""
+        """Abandon the dispatches whose leases expired too often (see `reap`), then take the
+        best claimable one (highest priority, then oldest; expired leases included) unless
+        `max_concurrent` dispatches of the kernel already run under live leases. None when
+        there is nothing to take or no free slot."""
         ...
 
     def heartbeat(
         self, dispatch_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
     ) -> Dispatch:
-        """Extend the lease to now + lease_seconds. StoreConflictError if the lease was lost."""
+        """Extend the lease to now + lease_seconds; the row tells whether a cancel was
+        requested. StoreConflictError if the lease was lost."""
         ...
 
     def complete(
@@ -165,14 +243,36 @@ class DispatchQueue(Protocol):
         termination_reason: str | None = None,
         error: str | None = None,
         attempt: int | None = None,
+        max_concurrent: int | None = None,
     ) -> Dispatch:
-        """Record the outcome (done or failed). StoreConflictError if the lease was lost."""
+        """Record the outcome (done, failed or cancelled). StoreConflictError if the lease was
+        lost. `max_concurrent` (the kernel's cap) lets a notifying backend wake waiting workers
+        only when this end frees a slot they wait for."""
+        ...
+
+    def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
+        """Cancel a pending dispatch, or ask the worker of a running one to stop it (a running
+        one whose lease already expired is cancelled at once). None if there is no such
+        dispatch in the kernel; StoreConflictError if it has already finished."""
+        ...
+
+    def reap(self, kernel_id: str) -> builtins.list[Dispatch]:
+        """Finish the running dispatches whose lease expired and that must not be reclaimed:
+        failed after max_attempts claims, cancelled when a cancel was requested."""
         ...
 
     def get(self, dispatch_id: str) -> Dispatch | None: ...
 
+    def find(self, kernel_id: str, prefix: str, limit: int = 2) -> builtins.list[Dispatch]:
+        """Dispatches of the kernel whose id starts with `prefix`."""
+        ...
+
+    def active_per_agent(self, kernel_id: str) -> dict[str, Dispatch]:
+        """Each agent's pending or running dispatch (there is at most one), keyed by agent_id."""
+        ...
+
     def latest_per_agent(self, kernel_id: str) -> dict[str, Dispatch]:
-        """Each agent's most recent dispatch, keyed by agent_id."""
+        """Each agent's most recent dispatch, keyed by agent_id (reads the whole history)."""
         ...
 
     def list(self, kernel_id: str, limit: int = 50) -> builtins.list[Dispatch]:
@@ -183,11 +283,15 @@ class DispatchQueue(Protocol):
         """Record that the tick scheduled at `tick_time` fires; False if it already did."""
         ...
 
+    def listener(self, kernel_id: str) -> DispatchListener | None:
+        """Instant wake-ups for idle workers, or None when the backend only polls."""
+        ...
+
     def close(self) -> None: ...
 
 
 def open_queue(store: str, *, clock: Clock | None = None) -> DispatchQueue:
-    """The dispatch queue for a `store` setting, schema ready.
+    """The dispatch queue for a `store` setting, schema ready (migrated if it was older).
 
     A postgresql:// DSN selects PostgreSQL (needs `pip install 'fsm-kernel[postgres]'`); a SQLite
     location (see `fsm_kernel.store.parse_store_location`) may be the event log's own file.
@@ -225,7 +329,9 @@ def validate_final_status(status: DispatchStatus | str) -> DispatchStatus:
     except ValueError:
         raise StoreError(f"unknown dispatch status {status!r}") from None
     if value not in FINAL_STATUSES:
-        raise StoreError(f"a dispatch completes with status done or failed, not {value.value}")
+        raise StoreError(
+            f"a dispatch completes with status done, failed or cancelled, not {value.value}"
+        )
     return value
 
 
@@ -242,12 +348,38 @@ def lease_conflict(
     )
 
 
+def already_finished(dispatch: Dispatch) -> StoreConflictError:
+    return StoreConflictError(
+        f"dispatch {dispatch.dispatch_id} ({dispatch.agent_id}) has already finished: "
+        f"{dispatch.status.value}"
+    )
+
+
+def abandoned_sql(concat: str = "||") -> str:
+    """SQL for the error of a dispatch abandoned after its attempts (`attempts` column)."""
+    return (
+        f"'abandoned after ' {concat} attempts {concat} "
+        f"CASE WHEN attempts = 1 THEN ' attempt' ELSE ' attempts' END {concat} ': lease expired'"
+    )
+
+
+def log_reaped(reaped: builtins.list[Dispatch]) -> None:
+    for dispatch in reaped:
+        logger.warning(
+            "dispatch %s (%s) %s: %s",
+            dispatch.dispatch_id,
+            dispatch.agent_id,
+            dispatch.status.value,
+            dispatch.error,
+        )
+
+
 def tick_key(tick_time: datetime) -> datetime:
     """Tick times are compared at whole-second precision in UTC."""
-    return _require_aware(tick_time).astimezone(UTC).replace(microsecond=0)
+    return require_aware(tick_time).astimezone(UTC).replace(microsecond=0)
 
 
-def _require_aware(moment: datetime) -> datetime:
+def require_aware(moment: datetime) -> datetime:
     if moment.tzinfo is None:
         raise StoreError(f"naive datetime {moment.isoformat()} (expected timezone-aware UTC)")
     return moment
@@ -260,236 +392,6 @@ def _as_datetime(value: Any) -> datetime | None:
     return moment.astimezone(UTC)
 
 
-def _ts(moment: datetime) -> str:
-    """Fixed-width UTC ISO text, so SQLite's text comparison orders it correctly."""
-    return _require_aware(moment).astimezone(UTC).isoformat(timespec="microseconds")
-
-
-_SQLITE_DDL = (
-    """CREATE TABLE IF NOT EXISTS scheduler_schema (
-        singleton INTEGER PRIMARY KEY CHECK (singleton = 1),
-        version INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS dispatch_tasks (
-        dispatch_id TEXT PRIMARY KEY,
-        kernel_id TEXT NOT NULL,
-        agent_id TEXT NOT NULL,
-        prompt TEXT NOT NULL,
-        priority INTEGER NOT NULL DEFAULT 0,
-        status TEXT NOT NULL CHECK (status IN ('pending', 'running', 'done', 'failed')),
-        dedupe_key TEXT UNIQUE,
-        worker_id TEXT,
-        lease_expires_at TEXT,
-        attempts INTEGER NOT NULL DEFAULT 0,
-        run_id TEXT,
-        termination_reason TEXT,
-        error TEXT,
-        created_at TEXT NOT NULL,
-        started_at TEXT,
-        finished_at TEXT)""",
-    """CREATE UNIQUE INDEX IF NOT EXISTS dispatch_tasks_one_active
-        ON dispatch_tasks (kernel_id, agent_id) WHERE status IN ('pending', 'running')""",
-    """CREATE INDEX IF NOT EXISTS dispatch_tasks_claim
-        ON dispatch_tasks (kernel_id, status, priority DESC, created_at)""",
-    """CREATE INDEX IF NOT EXISTS dispatch_tasks_recent
-        ON dispatch_tasks (kernel_id, created_at DESC)""",
-    """CREATE TABLE IF NOT EXISTS scheduler_ticks (
-        kernel_id TEXT NOT NULL,
-        tick_at TEXT NOT NULL,
-        fired_at TEXT NOT NULL,
-        PRIMARY KEY (kernel_id, tick_at))""",
-)
-
-_SELECT = f"SELECT {', '.join(COLUMNS)} FROM dispatch_tasks"
-_RETURNING = f"RETURNING {', '.join(COLUMNS)}"
-_CLAIMABLE = (
-    "kernel_id = ? AND (status = 'pending' OR (status = 'running' AND lease_expires_at <= ?))"
-)
-
-
-class SqliteDispatchQueue:
-    """The dispatch queue in a SQLite file (WAL). Safe across threads and across processes on
-    one host: every read-then-write runs under BEGIN IMMEDIATE, so SQLite's single writer lock
-    serialises claims and no row can be claimed twice."""
-
-    def __init__(self, path: str | Path, *, clock: Clock | None = None) -> None:
-        self.path = Path(path).expanduser()
-        self.clock: Clock = clock or SystemClock()
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None
-
-    def __repr__(self) -> str:
-        return f"SqliteDispatchQueue({str(self.path)!r})"
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def ensure_schema(self) -> None:
-        with self._transaction() as conn:
-            for statement in _SQLITE_DDL:
-                conn.execute(statement)
-            row = conn.execute("SELECT version FROM scheduler_schema").fetchone()
-            if row is None:
-                conn.execute("INSERT INTO scheduler_schema VALUES (1, ?)", (SCHEMA_VERSION,))
-            elif int(row["version"]) > SCHEMA_VERSION:
-                raise StoreSchemaError(
-                    f"{self.path}: dispatch schema version {row['version']} is newer than "
-                    f"this fsm-kernel supports ({SCHEMA_VERSION})"
-                )
-
-    def enqueue(
-        self, kernel_id: str, agent_id: str, prompt: str, priority: int, dedupe_key: str | None
-    ) -> Dispatch | None:
-        sql = (
-            "INSERT INTO dispatch_tasks (dispatch_id, kernel_id, agent_id, prompt, priority, "
-            "status, dedupe_key, attempts, created_at) VALUES (?, ?, ?, ?, ?, 'pending', ?, 0, ?) "
-            f"ON CONFLICT DO NOTHING {_RETURNING}"
-        )
-        params = (new_id(), kernel_id, agent_id, prompt, priority, dedupe_key, self._now())
-        with self._transaction() as conn:
-            row = conn.execute(sql, params).fetchone()
-        return Dispatch.from_row(row) if row else None
-
-    def claim(
-        self, kernel_id: str, worker_id: str, lease_seconds: float, max_concurrent: int
-    ) -> Dispatch | None:
-        now = self.clock.now()
-        with self._transaction() as conn:
-            running = conn.execute(
-                "SELECT count(*) FROM dispatch_tasks WHERE kernel_id = ? AND status = 'running' "
-                "AND lease_expires_at > ?",
-                (kernel_id, _ts(now)),
-            ).fetchone()[0]
-            if running >= max_concurrent:
-                return None
-            row = conn.execute(
-                f"UPDATE dispatch_tasks SET status = 'running', worker_id = ?, "
-                f"lease_expires_at = ?, attempts = attempts + 1, started_at = ? "
-                f"WHERE dispatch_id = (SELECT dispatch_id FROM dispatch_tasks WHERE {_CLAIMABLE} "
-                f"ORDER BY priority DESC, created_at, dispatch_id LIMIT 1) {_RETURNING}",
-                (
-                    worker_id,
-                    _ts(now + timedelta(seconds=lease_seconds)),
-                    _ts(now),
-                    kernel_id,
-                    _ts(now),
-                ),
-            ).fetchone()
-        return Dispatch.from_row(row) if row else None
-
-    def heartbeat(
-        self, dispatch_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
-    ) -> Dispatch:
-        expires = self.clock.now() + timedelta(seconds=lease_seconds)
-        return self._fenced_update(
-            "lease_expires_at = ?", (_ts(expires),), dispatch_id, worker_id, attempt
-        )
-
-    def complete(
-        self,
-        dispatch_id: str,
-        worker_id: str,
-        *,
-        status: DispatchStatus | str,
-        run_id: str | None = None,
-        termination_reason: str | None = None,
-        error: str | None = None,
-        attempt: int | None = None,
-    ) -> Dispatch:
-        final = validate_final_status(status)
-        return self._fenced_update(
-            "status = ?, run_id = ?, termination_reason = ?, error = ?, finished_at = ?, "
-            "lease_expires_at = NULL",
-            (final.value, run_id, termination_reason, error, self._now()),
-            dispatch_id,
-            worker_id,
-            attempt,
-        )
-
-    def get(self, dispatch_id: str) -> Dispatch | None:
-        with self._connection() as conn:
-            row = conn.execute(f"{_SELECT} WHERE dispatch_id = ?", (dispatch_id,)).fetchone()
-        return Dispatch.from_row(row) if row else None
-
-    def latest_per_agent(self, kernel_id: str) -> dict[str, Dispatch]:
-        sql = (
-            f"SELECT {', '.join(COLUMNS)} FROM (SELECT *, row_number() OVER (PARTITION BY "
-            "agent_id ORDER BY created_at DESC, dispatch_id DESC) AS rn FROM dispatch_tasks "
-            "WHERE kernel_id = ?) WHERE rn = 1"
-        )
-        with self._connection() as conn:
-            rows = conn.execute(sql, (kernel_id,)).fetchall()
-        return {row["agent_id"]: Dispatch.from_row(row) for row in rows}
-
-    def list(self, kernel_id: str, limit: int = 50) -> builtins.list[Dispatch]:
-        sql = f"{_SELECT} WHERE kernel_id = ? ORDER BY created_at DESC, dispatch_id DESC LIMIT ?"
-        with self._connection() as conn:
-            rows = conn.execute(sql, (kernel_id, limit)).fetchall()
-        return [Dispatch.from_row(row) for row in rows]
-
-    def try_acquire_tick(self, kernel_id: str, tick_time: datetime) -> bool:
-        sql = "INSERT INTO scheduler_ticks VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
-        with self._transaction() as conn:
-            cursor = conn.execute(sql, (kernel_id, _ts(tick_key(tick_time)), self._now()))
-            return cursor.rowcount == 1
-
-    def _fenced_update(
-        self,
-        assignments: str,
-        params: tuple[Any, ...],
-        dispatch_id: str,
-        worker_id: str,
-        attempt: int | None,
-    ) -> Dispatch:
-        sql = (
-            f"UPDATE dispatch_tasks SET {assignments} WHERE dispatch_id = ? AND "
-            f"status = 'running' AND worker_id = ? AND (? IS NULL OR attempts = ?) {_RETURNING}"
-        )
-        with self._transaction() as conn:
-            row = conn.execute(sql, (*params, dispatch_id, worker_id, attempt, attempt)).fetchone()
-            if row is None:
-                current = conn.execute(
-                    f"{_SELECT} WHERE dispatch_id = ?", (dispatch_id,)
-                ).fetchone()
-                raise lease_conflict(
-                    dispatch_id, worker_id, Dispatch.from_row(current) if current else None
-                )
-        return Dispatch.from_row(row)
-
-    def _now(self) -> str:
-        return _ts(self.clock.now())
-
-    def _connect(self) -> sqlite3.Connection:
-        if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-            )
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=30000")
-            self._conn = conn
-        return self._conn
-
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                yield self._connect()
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreError(f"{self.path}: dispatch store failed: {exc}") from exc
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction taken with BEGIN IMMEDIATE (the writer lock up front)."""
-        with self._connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+# The default adapter, re-exported here where it always lived; imported last because it builds on
+# the names above.
+from fsm_kernel.scheduler.sqlite_queue import SqliteDispatchQueue  # noqa: E402

@@ -1,13 +1,17 @@
 """A dispatch worker: claims and executes dispatches of one kernel, never ticks. Run several
 (on several hosts, with a PostgreSQL store) to spread the load; the queue keeps the fleet under
 `max_concurrent` and reclaims the dispatches of a worker that died once their lease expires.
+
+An idle worker looks at the queue every `poll_seconds`; on PostgreSQL it also LISTENs, so an
+enqueue or the end of a dispatch (a free slot) wakes it at once, and a cancel request reaches
+the run it concerns at once instead of at the next heartbeat.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fsm_kernel.errors import StoreError
 from fsm_kernel.scheduler.config import SchedulerConfig
@@ -18,13 +22,11 @@ from fsm_kernel.scheduler.executor import (
     DispatchExecutor,
     default_worker_id,
 )
-from fsm_kernel.scheduler.queue import Dispatch, DispatchQueue
+from fsm_kernel.scheduler.queue import Dispatch, DispatchListener, DispatchQueue
 
-__all__ = ["DEFAULT_POLL_SECONDS", "Worker"]
+__all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_POLL_SECONDS = 1.0
 
 
 class Worker:
@@ -38,7 +40,7 @@ class Worker:
         *,
         worker_id: str | None = None,
         concurrency: int | None = None,
-        poll_seconds: float = DEFAULT_POLL_SECONDS,
+        poll_seconds: float | None = None,
         sleep: Sleep = asyncio.sleep,
         on_result: Callable[[DispatchDetail], None] | None = None,
     ) -> None:
@@ -51,7 +53,8 @@ class Worker:
             worker_id: Lease owner name; unique per process by default.
             concurrency: Dispatches this process runs at once (default and upper bound:
                 config.max_concurrent, which the queue enforces across the whole fleet).
-            poll_seconds: Wait between claims when there was nothing to claim.
+            poll_seconds: Wait between claims when there was nothing to claim (default:
+                config.poll_seconds); a notification ends the wait early.
             sleep: Awaited for that wait; inject a fake in tests.
             on_result: Called with the fate of every dispatch this worker executed.
         """
@@ -59,13 +62,19 @@ class Worker:
         self.queue = queue
         self.worker_id = worker_id or default_worker_id()
         self.concurrency = min(concurrency or config.max_concurrent, config.max_concurrent)
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = poll_seconds if poll_seconds is not None else config.poll_seconds
         self._sleep = sleep
         self._on_result = on_result
         self._executor = DispatchExecutor(config, queue, runner, worker_id=self.worker_id)
         self._stop_requested = asyncio.Event()
         self._abandon = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        """Set when it is worth looking at the queue again: a run ended, a notification came,
+        or stop() was called."""
+        self.listening = asyncio.Event()
+        """Set once the queue's listener is LISTENing (PostgreSQL); never on a polling-only
+        queue."""
 
     @property
     def stopping(self) -> bool:
@@ -75,6 +84,7 @@ class Worker:
         """Stop claiming. Idempotent. In-flight dispatches finish, unless `abandon`: then they
         are cancelled and left for their lease to expire."""
         self._stop_requested.set()
+        self._changed.set()
         if abandon:
             self._abandon.set()
 
@@ -82,24 +92,46 @@ class Worker:
         """Claim and execute until `stop_event` is set or stop() is called."""
         logger.info("worker %s started (kernel %s)", self.worker_id, self.config.kernel_id)
         watcher = asyncio.create_task(self._watch(stop_event)) if stop_event else None
+        listener = self.queue.listener(self.config.kernel_id)
+        pump = asyncio.create_task(self._pump(listener)) if listener is not None else None
         try:
-            while not self.stopping:
-                if len(self._in_flight) < self.concurrency:
-                    dispatch = await self._claim()
-                    if dispatch is not None:
-                        self._start(dispatch)
-                        continue
-                await self._wait()
-            await asyncio.gather(*self._in_flight)
+            await self._loop()
         except asyncio.CancelledError:
             self.stop(abandon=True)
             for task in self._in_flight:
                 task.cancel()
             raise
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for helper in (watcher, pump):
+                if helper is not None:
+                    helper.cancel()
+                    await asyncio.gather(helper, return_exceptions=True)
             logger.info("worker %s stopped", self.worker_id)
+
+    async def _loop(self) -> None:
+        while not self.stopping:
+            self._changed.clear()  # from now on, a change means: look again
+            if len(self._in_flight) >= self.concurrency:
+                await self._changed.wait()  # busy: only the end of a run frees a slot here
+                continue
+            dispatch = await self._claim()
+            if dispatch is not None:
+                self._start(dispatch)
+            else:
+                await self._wait()
+        await asyncio.gather(*self._in_flight)
+
+    async def _pump(self, listener: DispatchListener) -> None:
+        """Turn the listener's signals into wake-ups and cancel requests."""
+        async with listener:
+            while True:
+                signal = await listener.get()
+                if signal.kind == "cancel":
+                    self._executor.request_cancel(signal.dispatch_id)
+                    continue
+                if signal.kind == "reconnected":  # notifications may have been missed
+                    self.listening.set()
+                self._changed.set()  # enqueued, ended (a slot may be free), reconnected
 
     async def _claim(self) -> Dispatch | None:
         config = self.config
@@ -118,7 +150,11 @@ class Worker:
     def _start(self, dispatch: Dispatch) -> None:
         task = asyncio.create_task(self._execute(dispatch))
         self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._changed.set()
 
     async def _execute(self, dispatch: Dispatch) -> None:
         detail = await self._executor.execute(dispatch, abandon=self._abandon)
@@ -126,17 +162,21 @@ class Worker:
             self._on_result(detail)
 
     async def _wait(self) -> None:
-        """Until the poll interval passes, a dispatch finishes, or stop() is called."""
-        sleeper = asyncio.create_task(self._sleep(self.poll_seconds))
-        stopper = asyncio.create_task(self._stop_requested.wait())
-        waiters = {sleeper, stopper, *self._in_flight}
+        """Idle: until the poll interval passes or something changes (see _changed)."""
+        sleeper = asyncio.create_task(_awaited(self._sleep(self.poll_seconds)))
+        waker = asyncio.create_task(self._changed.wait())
         try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (sleeper, stopper):
+            for task in (sleeper, waker):
                 task.cancel()
-            await asyncio.gather(sleeper, stopper, return_exceptions=True)
+            await asyncio.gather(sleeper, waker, return_exceptions=True)
 
     async def _watch(self, stop_event: asyncio.Event) -> None:
         await stop_event.wait()
         self.stop()
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    """An awaitable (the injected sleep) as a coroutine, which create_task needs."""
+    await awaitable

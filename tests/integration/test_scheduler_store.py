@@ -44,7 +44,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
     url: str = request.getfixturevalue("pg_module_url")
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS dispatch_tasks, scheduler_ticks, scheduler_schema")
+        conn.execute(
+            "DROP TABLE IF EXISTS kernel_dispatch_tasks, dispatch_tasks, scheduler_ticks, "
+            "scheduler_schema CASCADE"  # the claim function goes with its table
+        )
     return url
 
 
@@ -334,7 +337,7 @@ def test_the_queue_shares_the_sqlite_file_with_the_event_log(tmp_path: Path) -> 
     with sqlite3.connect(path) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     conn.close()
-    assert {"dispatch_tasks", "scheduler_ticks", "scheduler_schema"} <= tables
+    assert {"kernel_dispatch_tasks", "scheduler_ticks", "scheduler_schema"} <= tables
 
 
 def test_a_jsonl_store_cannot_hold_the_queue(tmp_path: Path) -> None:
@@ -360,3 +363,170 @@ def test_postgres_connection_errors_become_store_errors() -> None:
         queue.ensure_schema()
     queue.close()
     assert "nodb" not in repr(queue)
+
+
+# --- attempt limit, cancellation, constant-cost claims -----------------------------------------
+
+
+def expire_and_reclaim(queue: DispatchQueue, clock: FakeClock, times: int) -> Dispatch | None:
+    """Let the current lease expire `times` times, each followed by a claim (a worker that dies)."""
+    claimed = None
+    for _ in range(times):
+        clock.advance(61)
+        claimed = queue.claim(K, "next-worker", 60, 5)
+    return claimed
+
+
+def test_a_dispatch_whose_lease_expires_max_attempts_times_is_failed_never_reclaimed(
+    queue: DispatchQueue, clock: FakeClock
+) -> None:
+    a = queue.enqueue(K, "a", "p", 0, "a1", max_attempts=3)
+    assert a is not None
+    assert a.max_attempts == 3
+    assert queue.claim(K, "w1", 60, 5) is not None  # attempt 1
+    second = expire_and_reclaim(queue, clock, 2)  # attempts 2 and 3
+    assert second is not None
+    assert second.attempts == 3
+
+    clock.advance(61)  # the third lease expires too
+    assert queue.claim(K, "w9", 60, 5) is None  # nothing left to take: it is abandoned
+    row = queue.get(a.dispatch_id)
+    assert row is not None
+    assert (row.status, row.attempts, row.error) == (
+        DispatchStatus.FAILED,
+        3,
+        "abandoned after 3 attempts: lease expired",
+    )
+    assert (row.finished_at, row.lease_expires_at) == (clock.now(), None)
+    clock.advance(3600)
+    assert queue.claim(K, "w9", 60, 5) is None
+    assert queue.enqueue(K, "a", "p", 0, "a2") is not None  # the agent may be dispatched again
+
+
+def test_reap_finishes_exhausted_and_cancelled_expired_dispatches_only(
+    queue: DispatchQueue, clock: FakeClock
+) -> None:
+    once = queue.enqueue(K, "once", "p", 0, "o", max_attempts=1)
+    twice = queue.enqueue(K, "twice", "p", 0, "t", max_attempts=2)
+    stop = queue.enqueue(K, "stop", "p", 0, "s")
+    assert once is not None
+    assert twice is not None
+    assert stop is not None
+    for _ in range(3):
+        assert queue.claim(K, "w1", 60, 5) is not None
+    assert queue.cancel(K, stop.dispatch_id) is not None  # requested: the worker is alive
+    assert queue.reap(K) == []  # every lease still live
+    clock.advance(61)
+
+    reaped = {d.agent_id: d for d in queue.reap(K)}
+    assert set(reaped) == {"once", "stop"}
+    assert reaped["once"].status is DispatchStatus.FAILED
+    assert reaped["once"].error == "abandoned after 1 attempt: lease expired"
+    assert reaped["stop"].status is DispatchStatus.CANCELLED
+    assert "lease expired" in (reaped["stop"].error or "")
+    assert queue.reap(K) == []
+    reclaimed = queue.claim(K, "w2", 60, 5)  # the one with an attempt left
+    assert reclaimed is not None
+    assert (reclaimed.agent_id, reclaimed.attempts) == ("twice", 2)
+
+
+def test_cancel_a_pending_dispatch_at_once(queue: DispatchQueue, clock: FakeClock) -> None:
+    a = enqueue(queue, "a")
+    cancelled = queue.cancel(K, a.dispatch_id)
+    assert cancelled is not None
+    assert (cancelled.status, cancelled.finished_at, cancelled.started_at) == (
+        DispatchStatus.CANCELLED,
+        clock.now(),
+        None,
+    )
+    assert cancelled.error == "cancelled while pending: it never ran"
+    assert queue.claim(K, "w1", 60, 5) is None
+    assert queue.enqueue(K, "a", "p", 0, "a-next") is not None  # no longer active
+    with pytest.raises(StoreConflictError, match="already finished: cancelled"):
+        queue.cancel(K, a.dispatch_id)
+
+
+def test_cancel_a_running_dispatch_asks_its_worker_through_the_heartbeat(
+    queue: DispatchQueue, clock: FakeClock
+) -> None:
+    a = enqueue(queue, "a")
+    claimed = queue.claim(K, "w1", 60, 5)
+    assert claimed is not None
+    assert claimed.cancel_requested_at is None
+    clock.advance(5)
+    requested = queue.cancel(K, a.dispatch_id)
+    assert requested is not None
+    assert (requested.status, requested.cancel_requested_at) == (
+        DispatchStatus.RUNNING,
+        clock.now(),
+    )
+    clock.advance(1)
+    again = queue.cancel(K, a.dispatch_id)  # idempotent: the first request's time stays
+    assert again is not None
+    assert again.cancel_requested_at == requested.cancel_requested_at
+    beat = queue.heartbeat(a.dispatch_id, "w1", 60, attempt=1)
+    assert beat.cancel_requested_at == requested.cancel_requested_at
+    done = queue.complete(
+        a.dispatch_id, "w1", status="cancelled", run_id="r1", termination_reason="cancelled"
+    )
+    assert (done.status, done.run_id, done.termination_reason) == (
+        DispatchStatus.CANCELLED,
+        "r1",
+        "cancelled",
+    )
+    with pytest.raises(StoreConflictError, match="already finished"):
+        queue.cancel(K, a.dispatch_id)
+
+
+def test_a_cancelled_running_dispatch_is_never_reclaimed(
+    queue: DispatchQueue, clock: FakeClock
+) -> None:
+    a = enqueue(queue, "a")
+    assert queue.claim(K, "dead", 60, 5) is not None
+    assert queue.cancel(K, a.dispatch_id) is not None
+    clock.advance(61)
+    assert queue.claim(K, "w2", 60, 5) is None
+    row = queue.get(a.dispatch_id)
+    assert row is not None
+    assert row.status is DispatchStatus.CANCELLED
+
+
+def test_cancelling_a_dispatch_whose_lease_expired_finishes_it_at_once(
+    queue: DispatchQueue, clock: FakeClock
+) -> None:
+    a = enqueue(queue, "a")
+    assert queue.claim(K, "dead", 60, 5) is not None
+    clock.advance(61)
+    row = queue.cancel(K, a.dispatch_id)
+    assert row is not None
+    assert (row.status, row.lease_expires_at) == (DispatchStatus.CANCELLED, None)
+    with pytest.raises(StoreConflictError, match="no longer holds"):
+        queue.heartbeat(a.dispatch_id, "dead", 60)  # a late worker learns it lost the lease
+
+
+def test_cancel_of_an_unknown_or_other_kernels_dispatch_is_none(queue: DispatchQueue) -> None:
+    other = queue.enqueue("k2", "a", "p", 0, "k2a")
+    assert other is not None
+    assert queue.cancel(K, other.dispatch_id) is None
+    assert queue.cancel(K, "no-such-id") is None
+    still = queue.get(other.dispatch_id)
+    assert still is not None
+    assert still.status is DispatchStatus.PENDING
+
+
+def test_find_by_prefix_and_active_per_agent(queue: DispatchQueue, clock: FakeClock) -> None:
+    a = enqueue(queue, "a")
+    b = enqueue(queue, "b")
+    done = enqueue(queue, "c")
+    queue.enqueue("k2", "a", "p", 0, "k2a")
+    assert [d.dispatch_id for d in queue.find(K, a.dispatch_id)] == [a.dispatch_id]
+    assert len(queue.find(K, a.dispatch_id[:4], limit=5)) == 3  # UUIDv7: same time prefix
+    assert queue.find(K, "ffffffff") == []
+    claimed = [queue.claim(K, "w", 60, 5) for _ in range(3)]
+    finished = next(d for d in claimed if d is not None and d.agent_id == "c")
+    queue.complete(finished.dispatch_id, "w", status="done")
+    assert {k: d.dispatch_id for k, d in queue.active_per_agent(K).items()} == {
+        "a": a.dispatch_id,
+        "b": b.dispatch_id,
+    }
+    assert done.dispatch_id not in {d.dispatch_id for d in queue.active_per_agent(K).values()}

@@ -31,8 +31,19 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.state_dir == "~/.fsm-kernel/kernel"
     assert config.seed_state is None
     assert (config.timeout_seconds, config.lease_seconds, config.max_concurrent) == (900, 1800, 3)
+    assert (config.max_attempts, config.poll_seconds, config.heartbeat_seconds) == (3, 1.0, None)
+    assert config.heartbeat_interval == 10.0  # a third of the lease, at most 10 s
     assert config.store == "/somewhere/runs.db"
     assert config.state_file == Path.home() / ".fsm-kernel" / "kernel" / "default" / "STATE.md"
+
+
+def test_heartbeat_interval_follows_the_lease_unless_set() -> None:
+    assert parse_scheduler_config("lease_seconds: 6\n").heartbeat_interval == 2.0
+    assert parse_scheduler_config("lease_seconds: 600\n").heartbeat_interval == 10.0
+    explicit = parse_scheduler_config("lease_seconds: 60\nheartbeat_seconds: 30\n")
+    assert explicit.heartbeat_interval == 30.0
+    config = parse_scheduler_config("max_attempts: 1\npoll_seconds: 0.25\n")
+    assert (config.max_attempts, config.poll_seconds) == (1, 0.25)
 
 
 def test_store_default_without_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,6 +58,7 @@ def test_the_example_config_loads() -> None:
     assert {a.workflow for a in config.agents} == {"default"}
     assert all("{STATE}" in a.prompt for a in config.agents)
     assert [a.enabled for a in config.agents] == [True, True, False]
+    assert (config.max_attempts, config.lease_seconds, config.heartbeat_interval) == (3, 1800, 10)
     assert config.seed_state is not None
     assert config.seed_state.startswith("# STATE")
 
@@ -85,6 +97,16 @@ BAD = [
     ("schedule: 'H * * * *'\n", 1, 11, "hashed (H) forms are not supported"),
     ("kernel_id: x\nagent: []\n", 2, 1, "agent: unknown setting"),
     ("max_concurrent: 0\n", 1, 17, "max_concurrent: Input should be greater than or equal to 1"),
+    ("max_attempts: 0\n", 1, 15, "max_attempts: Input should be greater than or equal to 1"),
+    ("max_attempts: 2.5\n", 1, 15, "max_attempts: Input should be a valid integer"),
+    ("poll_seconds: 0\n", 1, 15, "poll_seconds: Input should be greater than 0"),
+    (
+        "lease_seconds: 60\nheartbeat_seconds: 31\n",
+        2,
+        20,
+        "heartbeat_seconds: must be at most half of lease_seconds (60 s)",
+    ),
+    ("heartbeat_seconds: -1\n", 1, 20, "heartbeat_seconds: Input should be greater than 0"),
     ("timeout_seconds: soon\n", 1, 18, "timeout_seconds: Input should be a valid number"),
     ("kernel_id: 'a/b'\n", 1, 12, "kernel_id: String should match pattern"),
     (

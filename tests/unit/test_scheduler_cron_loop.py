@@ -224,15 +224,15 @@ def test_cancelling_the_loop_abandons_in_flight_dispatches(
 
 
 class FlakyQueue(SqliteDispatchQueue):
-    """Fails the first latest_per_agent call, like a store that blipped."""
+    """Fails the first active_per_agent call, like a store that blipped."""
 
     failures = 1
 
-    def latest_per_agent(self, kernel_id: str) -> Any:
+    def active_per_agent(self, kernel_id: str) -> Any:
         if self.failures:
             self.failures -= 1
             raise StoreError("database is locked")
-        return super().latest_per_agent(kernel_id)
+        return super().active_per_agent(kernel_id)
 
 
 def test_a_failed_cycle_does_not_stop_the_loop(
