@@ -145,6 +145,23 @@ def test_stream_yields_states_text_tools_and_the_result() -> None:
     assert kinds.count("RunEnded") == 1
 
 
+def test_stream_over_http_yields_the_servers_text_deltas(server: FakeOpenAIServer) -> None:
+    server.enqueue(tool_reply(wire_call("datetime")), text_reply("It is noon, UTC."))
+
+    async def main() -> list[object]:
+        async with fsm_kernel.Agent("default") as agent:  # FSM_KERNEL_BASE_URL: the fake
+            return [event async for event in agent.stream("What time is it?")]
+
+    events = asyncio.run(main())
+
+    deltas = [e.text for e in events if isinstance(e, fsm_kernel.TextDelta)]
+    assert len(deltas) > 1  # the server streamed the answer in pieces
+    assert "".join(deltas) == "It is noon, UTC."
+    assert server.requests[0]["stream"] is True
+    assert isinstance(events[-1], fsm_kernel.RunEnded)
+    assert events[-1].result.response == "It is noon, UTC."
+
+
 def test_leaving_the_stream_early_cancels_the_run(tmp_path: Path) -> None:
     class Slow:
         async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
