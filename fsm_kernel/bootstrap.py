@@ -331,7 +331,7 @@ def chat_model_for(settings: AgentSettings, environ: Mapping[str, str] | None = 
         resolve_gguf(settings.model),
         n_ctx=_env_count(environ, "FSM_KERNEL_LOCAL_CONTEXT") or 4096,
         n_threads=_env_count(environ, "FSM_KERNEL_LOCAL_THREADS"),
-        max_tokens=_env_count(environ, "FSM_KERNEL_LOCAL_MAX_TOKENS") or 512,
+        max_tokens=_env_count(environ, "FSM_KERNEL_LOCAL_MAX_TOKENS") or 512,  # a tiny model
         tool_choice=settings.tool_choice,
         # The tiny bundled model calls a tool again instead of reading its result: it answers.
         answer_after_result=settings.model == BUNDLED,

@@ -16,6 +16,7 @@ from fsm_kernel.errors import ConfigError
 __all__ = [
     "DEFAULT_BASE_URL",
     "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_MAX_TOKENS",
     "DEFAULT_MODEL",
     "DEFAULT_STORE",
     "MAX_RETRIES_LIMIT",
@@ -29,6 +30,17 @@ DEFAULT_BASE_URL = "http://localhost:11434/v1"
 DEFAULT_MODEL = "qwen3"
 DEFAULT_STORE = ".fsm-kernel/runs.db"
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 4096
+"""The cap on each model reply when the workflow sets none (`agent.max_tokens`), sent as the
+request's `max_tokens`. Without a cap the server decides, and many decide "until the context is
+full": against a real llama.cpp server a tiny model ran 3,856 tokens of repetition until its
+4,096-token context was full, one reply taking minutes. 4,096 is far above any useful tool call
+or answer of an agent step (a long one is a few hundred tokens) and within the output limit of
+current hosted models (OpenAI's smallest is 4,096), while small enough to stop a runaway reply.
+A reply that reaches it ends with finish_reason "length": the run ends `truncated` (or the reply
+counts as malformed), so a cut is always visible. A server that refuses the default cap because
+the prompt leaves less room than that in its context (vLLM, older OpenAI models) is asked
+without it (see HttpChatModel)."""
 MAX_RETRIES_LIMIT = 100
 """More retries than this is a typo, not a policy (with backoff capped at 8 s it is ~13 min)."""
 
@@ -60,6 +72,9 @@ class AgentSettings:
     stream: bool = True
     """Ask for the answer as server-sent events and hand its text on as it arrives; a server
     that streams badly is then asked without (see HttpChatModel)."""
+    max_tokens: int | None = None
+    """The most tokens one reply may have, sent to the server; None: DEFAULT_MAX_TOKENS (the
+    HTTP client's; the in-process model keeps its own), 0: no cap is sent."""
 
     def __post_init__(self) -> None:
         _check_number(
@@ -92,6 +107,13 @@ class AgentSettings:
             minimum=1,
             what="max response bytes must be a whole number of bytes > 0",
         )
+        if self.max_tokens is not None:
+            _check_int(
+                self.max_tokens,
+                "max_tokens",
+                minimum=0,
+                what="max tokens must be a whole number of tokens >= 0, 0 for no cap",
+            )
         if not isinstance(self.stream, bool):  # "false" would be truthy: refuse, never guess
             raise _invalid("stream", "stream must be true or false", self.stream)
 
@@ -131,6 +153,7 @@ _WHERE_SET: Mapping[str, str] = {
         "workflow"
     ),
     "stream": "--no-stream or FSM_KERNEL_STREAM",
+    "max_tokens": "agent.max_tokens in the workflow",
 }
 """Where each checked setting comes from, so the error says what to fix."""
 

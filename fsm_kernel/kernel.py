@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsm_kernel.config import DEFAULT_MAX_TOKENS
 from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import (
     ChatModel,
@@ -34,16 +35,18 @@ from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, ToolCallRecord
-from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason
+from fsm_kernel.workflow.limits import limit_reached
+from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
 
 __all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
 
 logger = logging.getLogger(__name__)
 
 TRUNCATED_ERROR = (
-    'the answer was cut off by the model\'s length limit (finish_reason "length"); raise the '
-    "server's max tokens or context window (Ollama num_predict/num_ctx, vLLM --max-model-len, "
-    "llama.cpp -n/-c)"
+    'the answer was cut off by the model\'s length limit (finish_reason "length"); raise '
+    f"agent.max_tokens in the workflow (the cap on each reply, default {DEFAULT_MAX_TOKENS}) or "
+    "the server's max tokens or context window (Ollama num_predict/num_ctx, vLLM "
+    "--max-model-len, llama.cpp -n/-c)"
 )
 """The error of a run that ended `truncated`: its response is the partial text."""
 
@@ -60,7 +63,9 @@ class RunResult:
 
     run_id: str
     workflow: str
-    termination_reason: TerminationReason
+    termination_reason: TerminationReason | str
+    """A built-in reason (a `TerminationReason`), or one the workflow declares under `reasons:`
+    (a plain string). Both compare equal to the name as written."""
     response: str
     iterations: int
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -68,16 +73,20 @@ class RunResult:
     error: str | None = None
     messages: list[Message] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    success_reasons: frozenset[str] = field(default=SUCCESS_REASONS, repr=False)
+    """The reasons this run's workflow counts as success: `final_answer`, `done` and its own
+    reasons declared with `success: true`."""
 
     @property
     def ok(self) -> bool:
-        return self.termination_reason in SUCCESS_REASONS
+        """The run succeeded (the CLI exits 0): it ended for a success reason."""
+        return self.termination_reason in self.success_reasons
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "run_id": self.run_id,
             "workflow": self.workflow,
-            "termination_reason": self.termination_reason.value,
+            "termination_reason": str(self.termination_reason),
             "response": self.response,
             "iterations": self.iterations,
             "tool_calls": [r.to_dict() for r in self.tool_calls],
@@ -203,7 +212,8 @@ class Kernel:
         """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
         current_run_id.set(ctx.run_id)
         timeout = self.limits.timeout_seconds or None
-        reason, error, resumable = TerminationReason.ERROR, None, False
+        reason: TerminationReason | str = TerminationReason.ERROR
+        error, resumable = None, False
         try:
             async with asyncio.timeout(timeout):
                 with deltas_to(recorder.stream_sink):
@@ -232,37 +242,41 @@ class Kernel:
 
     async def _loop(
         self, ctx: RunContext, machine: Machine, recorder: RunRecorder
-    ) -> TerminationReason:
-        limits = self.limits
+    ) -> TerminationReason | str:
         transitions = 0
         while not machine.is_final:
-            state = machine.state
-            recorder.state = state
-            action = self.workflow.actions.get(state)
-            if action is not None:
-                if action.calls_model:
-                    self._complete_iteration(ctx, recorder, state)
-                    if limits.max_iterations and ctx.iteration >= limits.max_iterations:
-                        raise _Stop(TerminationReason.MAX_ITERATIONS)
-                ctx.state_spec = self.spec.states[state]
-                await action(ctx)
-                recorder.iteration = ctx.iteration
+            await self._act(ctx, machine.state, recorder)
             fired = await machine.advance()
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
-            if fired.final:
-                recorder.state = fired.target
-                return TerminationReason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.state = fired.target
+            if fired.final:
+                return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.record(EventType.STATE_ENTERED, {})
             await recorder.flush()  # the step (action, transition) is durable before the next
-            if transitions >= limits.max_transitions:
+            if transitions >= self.limits.max_transitions:
                 raise _Stop(
                     TerminationReason.NO_PROGRESS,
                     f"{transitions} transitions without reaching a final state "
                     "(limits.max_transitions)",
                 )
         return TerminationReason.FINAL_ANSWER
+
+    async def _act(self, ctx: RunContext, state: str, recorder: RunRecorder) -> None:
+        """Run the action of `state`, unless a limit ends the run first (in code, whatever the
+        transitions say; see `limit_reached` for when each limit is checked)."""
+        recorder.state = state
+        action = self.workflow.actions.get(state)
+        calls_model = action is not None and action.calls_model
+        if calls_model:
+            self._complete_iteration(ctx, recorder, state)
+        hit = limit_reached(ctx, model_call_next=calls_model)
+        if hit is not None:
+            raise _Stop(hit.reason, hit.error)
+        if action is not None:
+            ctx.state_spec = self.spec.states[state]
+            await action(ctx)
+            recorder.iteration = ctx.iteration
 
     def _complete_iteration(
         self, ctx: RunContext, recorder: RunRecorder, next_state: str, error: str | None = None
@@ -279,19 +293,19 @@ class Kernel:
         self,
         ctx: RunContext,
         recorder: RunRecorder,
-        reason: TerminationReason,
+        reason: TerminationReason | str,
         error: str | None,
         *,
         resumable: bool = False,
     ) -> RunResult:
         if reason == TerminationReason.FATAL_TOOL_ERROR and error is None:
             error = ctx.fatal_error
-        if reason in SUCCESS_REASONS and is_truncated(ctx):  # a cut-off answer is no success
+        if self.spec.is_success(reason) and is_truncated(ctx):  # a cut-off answer is no success
             reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {
-            "reason": reason.value,
+            "reason": str(reason),
             "answer": response,
             "iterations": ctx.iteration,
         }
@@ -312,6 +326,7 @@ class Kernel:
             error=error,
             messages=ctx.session.messages(),
             events=list(recorder.events),
+            success_reasons=self.spec.success_reasons(),
         )
 
     # -- helpers ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from fsm_kernel.agent.wire import (
     tool_choice_to_wire,
     tools_to_wire,
 )
-from fsm_kernel.config import AgentSettings
+from fsm_kernel.config import DEFAULT_MAX_TOKENS, AgentSettings
 from fsm_kernel.errors import (
     AgentAuthError,
     AgentBadRequestError,
@@ -123,6 +123,12 @@ class HttpChatModel:
     never asked to stream again by this instance (the notice `stream_fallback` and a warning
     say so). A plain JSON answer to a streaming request is taken as it is.
 
+    Every request caps the reply (`settings.max_tokens`, default DEFAULT_MAX_TOKENS; 0: no cap)
+    as `max_tokens`, the field every OpenAI-compatible server reads. A server that wants
+    `max_completion_tokens` instead (OpenAI's reasoning models refuse `max_tokens`) is asked
+    again with that, and a server that refuses the default cap as too large for its context
+    (vLLM) is asked again without it; either is remembered by this instance and logged.
+
     Usable from several event loops in turn (connections are not kept alive between calls).
     Close it with `aclose()` or use it as an async context manager.
     """
@@ -158,6 +164,8 @@ class HttpChatModel:
         self._random = random
         self._streams = settings.stream
         """False once the server has streamed badly: every later call asks without."""
+        self._cap = _ReplyCap.of(settings)
+        """How each reply is capped: the field and the value, as this server accepts them."""
         self._client = httpx.AsyncClient(
             auth=auth,
             headers=_headers(settings.api_key),
@@ -204,7 +212,22 @@ class HttpChatModel:
         Raises:
             AgentError: the subclass says why no usable answer could be had.
         """
-        payload = self._payload(messages, tools, tool_choice or self._settings.tool_choice)
+        choice = tool_choice or self._settings.tool_choice
+        while True:
+            try:
+                return await self._with_retries(self._payload(messages, tools, choice))
+            except AgentBadRequestError as exc:
+                if not self._cap.adapt(exc.message):
+                    raise
+                logger.warning(
+                    "model server at %s refused the reply cap (%s); %s from now on",
+                    self._shown_url,
+                    exc.message,
+                    self._cap.describe(),
+                )
+
+    async def _with_retries(self, payload: dict[str, Any]) -> Completion:
+        """One request, retried on transient failures with backoff."""
         retries = max(self._settings.max_retries, 0)
         attempt = 0
         progress = _Progress()
@@ -236,6 +259,8 @@ class HttpChatModel:
                 payload["tool_choice"] = tool_choice_to_wire(tool_choice)
         if self._settings.temperature is not None:
             payload["temperature"] = self._settings.temperature
+        if self._cap.field is not None:
+            payload[self._cap.field] = self._cap.tokens
         return payload
 
     def _retry_delay(self, exc: AgentError, attempt: int) -> float:
@@ -539,6 +564,45 @@ class HttpChatModel:
                 "ends in /v1"
             )
         return AgentBadRequestError, f"{where} rejected the request ({status}): {detail.message}"
+
+
+@dataclass
+class _ReplyCap:
+    """The cap on each reply as this server takes it: `field` None sends none."""
+
+    tokens: int
+    field: str | None
+    default: bool
+    """The cap is DEFAULT_MAX_TOKENS, not one the user set (which is never dropped)."""
+
+    @classmethod
+    def of(cls, settings: AgentSettings) -> _ReplyCap:
+        tokens = DEFAULT_MAX_TOKENS if settings.max_tokens is None else settings.max_tokens
+        return cls(tokens, "max_tokens" if tokens else None, settings.max_tokens is None)
+
+    def adapt(self, message: str) -> bool:
+        """Change the cap after a 400 that refused it; False when the refusal was not about the
+        cap, or there is nothing left to change."""
+        text = message.lower()
+        if self.field is None or ("max_tokens" not in text and "context length" not in text):
+            return False
+        unsupported = "unsupported" in text or "not supported" in text
+        if self.field == "max_tokens" and "max_completion_tokens" in text and unsupported:
+            # OpenAI: "Unsupported parameter: 'max_tokens' is not supported with this model.
+            # Use 'max_completion_tokens' instead."
+            self.field = "max_completion_tokens"
+            return True
+        if self.default and ("too large" in text or "maximum context length" in text):
+            # vLLM: "'max_tokens' or 'max_completion_tokens' is too large: 4096. This model's
+            # maximum context length is 4096 tokens and your request has 812 input tokens"
+            self.field = None
+            return True
+        return False
+
+    def describe(self) -> str:
+        if self.field is None:
+            return "asking without a cap"
+        return f"sending it as {self.field}"
 
 
 class _ErrorDetail:

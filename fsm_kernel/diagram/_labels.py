@@ -26,16 +26,22 @@ __all__ = [
 
 KERNEL_REASONS: tuple[str, ...] = (
     "max_iterations",
+    "budget_exceeded",
+    "tool_failures",
+    "no_progress",
+    "fatal_tool_error",
+    "malformed_output",
     "timeout",
     "cancelled",
     "agent_error",
     "error",
-    "no_progress",
     "truncated",
 )
-"""Reasons the kernel itself may end any run with, whatever the transitions say (no_progress:
-limits.max_transitions reached; truncated: an edge ending with final_answer or done fired while
-the last model reply was cut off by its length limit)."""
+"""Reasons the kernel itself may end any run with, whatever the transitions say: the limits
+(max_iterations, budget_exceeded, tool_failures, no_progress (also limits.max_transitions),
+fatal_tool_error, malformed_output), which a workflow's own edge may end the run for first;
+the clock, the user, the server and bugs; and truncated: an edge ending with a success reason
+fired while the last model reply was cut off by its length limit."""
 
 INK = "#1f2933"
 SOFT = "#52606d"

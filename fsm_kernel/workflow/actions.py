@@ -23,6 +23,7 @@ from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
 from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.limits import budget_exceeded
 
 __all__ = [
     "BUILTIN_ACTIONS",
@@ -313,6 +314,7 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "iteration_limit": lambda ctx: (
         bool(ctx.limits.max_iterations) and ctx.iteration >= ctx.limits.max_iterations
     ),
+    "budget_exceeded": budget_exceeded,
     "no_progress": lambda ctx: ctx.repeat_count >= ctx.limits.no_progress_repeats,
     "tool_failures": lambda ctx: ctx.failure_streak >= ctx.limits.max_tool_failures,
     "tool_failed": lambda ctx: any(r.result.is_error for r in ctx.last_results),

@@ -11,16 +11,22 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
+from fsm_kernel.config import DEFAULT_MAX_TOKENS
+
 __all__ = [
+    "SUCCESS_REASONS",
     "TERMINATION_REASONS",
     "AgentBlock",
     "Limits",
+    "ReasonSpec",
     "SourceLocation",
     "StateSpec",
     "TerminationReason",
     "TransitionSpec",
     "WorkflowSpec",
+    "as_reason",
 ]
+
 
 class TerminationReason(StrEnum):
     """Every reason a run may end for: exactly one per run. A StrEnum, so each compares equal
@@ -29,6 +35,7 @@ class TerminationReason(StrEnum):
     FINAL_ANSWER = "final_answer"
     DONE = "done"
     MAX_ITERATIONS = "max_iterations"
+    BUDGET_EXCEEDED = "budget_exceeded"
     FATAL_TOOL_ERROR = "fatal_tool_error"
     NO_PROGRESS = "no_progress"
     TOOL_FAILURES = "tool_failures"
@@ -48,6 +55,9 @@ TERMINATION_REASONS: dict[TerminationReason, str] = {
     TerminationReason.FINAL_ANSWER: "the model answered without calling a tool",
     TerminationReason.DONE: "the model called the done tool",
     TerminationReason.MAX_ITERATIONS: "the iteration cap was reached",
+    TerminationReason.BUDGET_EXCEEDED: (
+        "the run's model calls used limits.max_tokens tokens (prompt + completion)"
+    ),
     TerminationReason.FATAL_TOOL_ERROR: "a tool failed in a way the run cannot recover from",
     TerminationReason.NO_PROGRESS: "the same tool call with the same arguments repeated too often",
     TerminationReason.TOOL_FAILURES: "too many tool failures in a row",
@@ -63,8 +73,15 @@ TERMINATION_REASONS: dict[TerminationReason, str] = {
 """Every reason a run may end for, with what it means."""
 
 SUCCESS_REASONS = frozenset({TerminationReason.FINAL_ANSWER, TerminationReason.DONE})
-"""The reasons a run succeeded for (exit code 0); a run about to end with one of them while the
-last model reply was cut off by the length limit ends `truncated` instead (the kernel's rule)."""
+"""The built-in reasons a run succeeded for (exit code 0); a workflow may declare more
+(`reasons:` with `success: true`, see `WorkflowSpec.is_success`). A run about to end with a
+success reason while the last model reply was cut off by the length limit ends `truncated`
+instead (the kernel's rule)."""
+
+
+def as_reason(name: str) -> TerminationReason | str:
+    """A built-in reason as its enum member; a workflow's own (`reasons:`) as the plain string."""
+    return TerminationReason(name) if name in TERMINATION_REASONS else name
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,15 @@ class AgentBlock(_Model):
         pattern=_TOOL_CHOICE_PATTERN,
         description=_TOOL_CHOICE_HELP + " Default auto.",
     )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description="The most tokens one model reply may have, sent to the server as max_tokens "
+        "(max_completion_tokens to a server that asks for it); a reply cut off by it ends with "
+        f"finish_reason length. Default {DEFAULT_MAX_TOKENS}; 0 sends no cap (the server's own "
+        "default applies)",
+    )
 
 
 class Limits(_Model):
@@ -157,6 +183,28 @@ class Limits(_Model):
         description="Tool calls executed from one model reply; the rest are answered with an "
         "error result",
     )
+    max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens per run: prompt + completion tokens summed over the run's model "
+        "calls, as the server reports them; the run ends budget_exceeded once they reach it. "
+        "0 = no cap",
+    )
+
+
+_REASON_NAME = r"^[a-z][a-z0-9_]*$"
+
+
+class ReasonSpec(_Model):
+    """A termination reason the workflow declares for its own edges into final states."""
+
+    success: bool = Field(
+        default=False,
+        strict=True,
+        description="Whether a run that ends for this reason succeeded: true exits 0 "
+        "(RunResult.ok), false exits 1",
+    )
+    description: str = Field(default="", description="What the reason means, for readers")
 
 
 class StateSpec(_Model):
@@ -225,6 +273,17 @@ class WorkflowSpec(_Model):
         default_factory=list, description="Built-in tool names or package.module:function"
     )
     limits: Limits = Field(default_factory=Limits)
+    reasons: dict[str, ReasonSpec] = Field(
+        default_factory=dict,
+        description="The workflow's own termination reasons, for its edges into final states: "
+        "snake_case names that are not built-in reasons, each with `success` (exit 0) or not",
+        json_schema_extra={
+            "propertyNames": {
+                "pattern": _REASON_NAME,
+                "not": {"enum": [str(r) for r in TERMINATION_REASONS]},
+            }
+        },
+    )
     initial: str
     states: dict[str, StateSpec]
     transitions: list[TransitionSpec]
@@ -249,6 +308,18 @@ class WorkflowSpec(_Model):
             if loc is not None:
                 return loc
         return None
+
+    def is_success(self, reason: str) -> bool:
+        """Whether a run that ends for `reason` succeeded (exit code 0): `final_answer`, `done`,
+        or a reason the workflow declares with `success: true`."""
+        if reason in TERMINATION_REASONS:
+            return reason in SUCCESS_REASONS
+        declared = self.reasons.get(reason)
+        return declared is not None and declared.success
+
+    def success_reasons(self) -> frozenset[str]:
+        """Every reason a run of this workflow succeeds for."""
+        return SUCCESS_REASONS | {name for name in self.reasons if self.is_success(name)}
 
     def final_states(self) -> list[str]:
         return [sid for sid, s in self.states.items() if s.final]

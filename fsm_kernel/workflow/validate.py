@@ -1,9 +1,10 @@
 """Semantic checks of a parsed workflow, each error with the file:line:col of the culprit.
 
 Structure (states, targets, reachability, final states), names (reserved by
-python-statemachine, clashing with the machine's one event), references (actions, guards,
-termination reasons), and `answer: false` only where the action calls the model. Tool names
-are checked by the kernel, which owns the registry.
+python-statemachine, clashing with the machine's one event; the workflow's own termination
+reasons: snake_case, never a built-in's), references (actions, guards, termination reasons), and
+`answer: false` only where the action calls the model. Tool names are checked by the kernel,
+which owns the registry.
 """
 
 from __future__ import annotations
@@ -56,6 +57,22 @@ def _check_names(spec: WorkflowSpec) -> None:
         raise _fail(spec, f"initial state {spec.initial!r} cannot be final", "initial")
     if not spec.final_states():
         raise _fail(spec, "no final state: add a state with 'final: true'", "states")
+
+
+def _check_reasons(spec: WorkflowSpec) -> None:
+    """The workflow's own reasons: snake_case, and never a built-in's name (whose meaning and
+    exit code the kernel fixes)."""
+    for name in spec.reasons:
+        where = ("reasons", name, "<key>")
+        if not IDENT.match(name):
+            raise _fail(spec, f"termination reason {name!r} must be snake_case", *where)
+        if name in TERMINATION_REASONS:
+            raise _fail(
+                spec,
+                f"termination reason {name!r} shadows the built-in reason of that name; "
+                "choose another name",
+                *where,
+            )
 
 
 def _check_refs(spec: WorkflowSpec) -> None:
@@ -118,11 +135,12 @@ def _check_transitions(spec: WorkflowSpec) -> None:
                 i,
                 "reason",
             )
-        if t.reason and t.reason not in TERMINATION_REASONS:
-            known = ", ".join(TERMINATION_REASONS)
+        if t.reason and t.reason not in TERMINATION_REASONS and t.reason not in spec.reasons:
+            known = ", ".join([*TERMINATION_REASONS, *spec.reasons])
             raise _fail(
                 spec,
-                f"unknown termination reason {t.reason!r} (known: {known})",
+                f"unknown termination reason {t.reason!r} (known: {known}; declare your own "
+                "under 'reasons:')",
                 "transitions",
                 i,
                 "reason",
@@ -188,6 +206,7 @@ def validate_workflow(spec: WorkflowSpec) -> None:
     if not spec.states:
         raise _fail(spec, "a workflow needs at least one state", "states")
     _check_names(spec)
+    _check_reasons(spec)
     _check_transitions(spec)
     _check_refs(spec)
     _check_answer_flags(spec)

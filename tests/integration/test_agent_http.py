@@ -150,6 +150,7 @@ def test_text_answer(server: FakeOpenAIServer, stream: bool) -> None:
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello"},
         ],
+        "max_tokens": 4096,  # the default cap on each reply
         **(STREAM_FIELDS if stream else {}),
     }
     assert server.request_headers[0]["content-type"] == "application/json"

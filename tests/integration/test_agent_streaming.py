@@ -142,6 +142,7 @@ def test_text_deltas_arrive_in_order_and_are_emitted(server: FakeOpenAIServer) -
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello"},
         ],
+        "max_tokens": 4096,  # the default cap on each reply
         **STREAM_FIELDS,
     }
     assert server.request_headers[0]["accept"] == "text/event-stream, application/json"

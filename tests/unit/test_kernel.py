@@ -774,6 +774,7 @@ def test_every_termination_reason_is_covered_here() -> None:
         "timeout",
         "error",
         "truncated",
+        "budget_exceeded",  # its runs: tests/unit/test_reasons_budgets.py
     }
     assert set(TERMINATION_REASONS) == covered
 
