@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+
 import pytest
 
 pytest_plugins = ["tests.pg"]
@@ -18,3 +21,12 @@ def _isolated_env(
         monkeypatch.delenv(name, raising=False)
     store = tmp_path_factory.mktemp("store") / "runs.db"
     monkeypatch.setenv("FSM_KERNEL_STORE", str(store))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    # main() configures the fsm_kernel logger for the terminal; undo it for the other tests.
+    logger = logging.getLogger("fsm_kernel")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]

@@ -5,20 +5,16 @@ the terminal."""
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from fsm_kernel.cli import main
 from fsm_kernel.store import SqliteEventStore
+from tests.clikit import Outcome, cli
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
     call,
@@ -34,42 +30,10 @@ EXAMPLE = REPO / "examples" / "custom_guard" / "workflow.yaml"
 DEAD_URL = "http://127.0.0.1:9/v1"
 
 
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict[str, Any]:
-        lines = self.out.splitlines()
-        assert len(lines) == 1, f"expected one line of JSON on stdout, got {self.out!r}"
-        value = json.loads(lines[0])
-        assert isinstance(value, dict)
-        return value
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
-
-
 @pytest.fixture
 def server() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as fake:
         yield fake
-
-
-def cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> Outcome:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err + captured.out
-    return Outcome(code, captured.out, captured.err)
 
 
 def console(*argv: str | bytes, stdin: bytes = b"", cwd: Path | None = None) -> Outcome:

@@ -4,45 +4,17 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fsm_kernel.cli import main
+from tests.clikit import cli
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "workflows" / "default.yaml"
 DATA = REPO / "tests" / "data"
 STOCK = sorted(p.stem for p in (REPO / "workflows").glob("*.yaml"))
-
-
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
-
-
-def cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> Outcome:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return Outcome(code, captured.out, captured.err)
 
 
 # --- validate ---------------------------------------------------------------------------------

@@ -5,24 +5,22 @@ produce, exit codes, --json, human output, progress on stderr, and never a trace
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_kernel.cli import main
 from fsm_kernel.errors import ToolFatalError
 from fsm_kernel.protocol import EventType
 from fsm_kernel.store import JsonlEventStore, SqliteEventStore
+from tests.clikit import Outcome, cli
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
     call,
@@ -47,30 +45,6 @@ CALL_KEYS = {"iteration", "id", "name", "arguments", "result", "is_error"}
 CONNECT_HINT = "is Ollama (or your model server) running?"
 
 
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict[str, Any]:
-        """The one JSON object on stdout (fails if there is anything else)."""
-        lines = self.out.splitlines()
-        assert len(lines) == 1, f"expected one line of JSON on stdout, got {self.out!r}"
-        value = json.loads(lines[0])
-        assert isinstance(value, dict)
-        return value
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    # main() configures the fsm_kernel logger for the terminal; undo it for the other tests.
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
-
-
 @pytest.fixture
 def server() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as fake:
@@ -80,18 +54,6 @@ def server() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / "runs.db"
-
-
-def cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> Outcome:
-    """Run main() in process as the console script would (SystemExit is an exit code too)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    assert "Traceback" not in captured.out
-    return Outcome(code, captured.out, captured.err)
 
 
 def run_args(base_url: str, store: Path, workspace: Path, *extra: str) -> list[str]:

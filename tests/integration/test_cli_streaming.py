@@ -5,8 +5,6 @@ answers."""
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +14,6 @@ from tests.fakes.openai_server import FakeOpenAIServer, StreamStyle, text_reply
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "workflows" / "default.yaml"
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
 def run(server: FakeOpenAIServer, tmp_path: Path, *extra: str) -> int:

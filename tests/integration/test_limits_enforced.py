@@ -6,18 +6,16 @@ cap on each reply, a reply cut by it being recorded as such."""
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_kernel.cli import main
 from fsm_kernel.errors import ToolFatalError
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import SqliteEventStore
+from tests.clikit import Outcome, cli
 from tests.fakes.openai_server import FakeOpenAIServer, Reply, call, text_reply, tool_reply
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,41 +67,10 @@ def explode(reason: str) -> str:
     raise ToolFatalError(f"disk is gone: {reason}")
 
 
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict[str, Any]:
-        value = json.loads(self.out)
-        assert isinstance(value, dict)
-        return value
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    # main() configures the fsm_kernel logger for the terminal; undo it for the other tests.
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
-
-
 @pytest.fixture
 def server() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as fake:
         yield fake
-
-
-def cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> Outcome:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return Outcome(code, captured.out, captured.err)
 
 
 def workflow(tmp_path: Path, text: str, name: str = "flow.yaml") -> Path:
@@ -330,7 +297,7 @@ def test_the_schema_covers_reasons_and_both_token_caps(
     outcome = cli(capsys, ["schema"])
 
     assert outcome.code == 0
-    schema = outcome.json()
+    schema = json.loads(outcome.out)  # indented, over many lines
     assert "reasons" in schema["properties"]
     assert "success" in schema["$defs"]["ReasonSpec"]["properties"]
     assert "max_tokens" in schema["$defs"]["Limits"]["properties"]

@@ -4,23 +4,20 @@ resumable; replay reproduces capped, resumed, failed and timed-out runs exactly.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_kernel.cli import main
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import SqliteEventStore
+from tests.clikit import Outcome, cli
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
     call,
@@ -34,28 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "workflows" / "default.yaml"
 
 
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict[str, Any]:
-        lines = self.out.splitlines()
-        assert len(lines) == 1, f"expected one JSON line, got {self.out!r}"
-        value = json.loads(lines[0])
-        assert isinstance(value, dict)
-        return value
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
-
-
 @pytest.fixture
 def server() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as fake:
@@ -65,13 +40,6 @@ def server() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / "runs.db"
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> Outcome:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return Outcome(code, captured.out, captured.err)
 
 
 def events_of(store: Path, run_id: str) -> list[Event]:

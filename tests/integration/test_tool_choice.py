@@ -3,8 +3,6 @@ workflow says otherwise), per agent or per state, validated at file:line:col."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,14 +30,6 @@ transitions:
   - {{source: think, target: quiet}}
   - {{source: quiet, target: end,   reason: final_answer}}
 """
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    logger = logging.getLogger("fsm_kernel")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
 def write(tmp_path: Path, *, agent: str = "auto", state: str = "auto") -> Path:
