@@ -56,7 +56,11 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
         else "model server (flags > FSM_KERNEL_* env > workflow agent: block)"
     )
     g = p.add_argument_group(title)
-    g.add_argument("--model", help="model name" + ("" if resuming else " (default qwen3)"))
+    g.add_argument(
+        "--model",
+        help="model name; 'local' runs the bundled model in-process, 'local:PATH.gguf' any GGUF"
+        + ("" if resuming else " (default qwen3 on Ollama, else the bundled model)"),
+    )
     g.add_argument(
         "--base-url",
         help="OpenAI-compatible base URL"
@@ -111,8 +115,8 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
     g.add_argument(
         "--store",
         metavar="LOCATION",
-        help="event store: a SQLite file, a .jsonl file or a postgresql:// DSN "
-        "(default FSM_KERNEL_STORE or .fsm-kernel/runs.db)",
+        help="event store: a path ending in .db/.sqlite/.sqlite3 or .jsonl, sqlite:///PATH, or a "
+        "postgresql:// URL (default FSM_KERNEL_STORE or .fsm-kernel/runs.db)",
     )
     g.add_argument(
         "--json",
