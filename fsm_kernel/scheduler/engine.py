@@ -293,14 +293,7 @@ class Scheduler:
 
     async def _wait(self, seconds: float) -> None:
         """Sleep (injected) until the delay passes or stop() is called."""
-        sleeper = asyncio.create_task(_awaited(self._sleep(max(seconds, 0.0))))
-        stopper = asyncio.create_task(self._stop_requested.wait())
-        try:
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sleeper, stopper):
-                task.cancel()
-            await asyncio.gather(sleeper, stopper, return_exceptions=True)
+        await sleep_or_event(self._sleep(max(seconds, 0.0)), self._stop_requested)
 
     async def _watch(self, stop_event: asyncio.Event) -> None:
         await stop_event.wait()
@@ -325,6 +318,19 @@ def _summarize(
         skipped_agents=skipped,
         enqueued_ids=tuple(enqueued),
     )
+
+
+async def sleep_or_event(sleep: Awaitable[None], event: asyncio.Event) -> None:
+    """Until `sleep` (the injected sleep's awaitable) finishes or `event` is set, whichever
+    comes first; the other is cancelled."""
+    sleeper = asyncio.create_task(_awaited(sleep))
+    waker = asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sleeper, waker):
+            task.cancel()
+        await asyncio.gather(sleeper, waker, return_exceptions=True)
 
 
 async def _awaited(awaitable: Awaitable[None]) -> None:

@@ -1,6 +1,7 @@
 """The dispatch queue: the `DispatchQueue` port, the `Dispatch` row, what both adapters share
 (statuses, messages, the schema version) and `open_queue`, which picks the backend from the
-`store` setting. The adapters live in sqlite_queue.py (one machine, the default) and pg_queue.py.
+`store` setting. The adapters live in sqlite_queue.py (one machine, the default) and pg_queue.py,
+the SQL and the operations they share in _queue_sql.py.
 
 Lease semantics, shared by both adapters:
 - a claim sets status=running, the worker id, attempts+1 and lease_expires_at = now + lease;

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from fsm_kernel.errors import StoreError
 from fsm_kernel.scheduler.config import SchedulerConfig
-from fsm_kernel.scheduler.engine import Sleep
+from fsm_kernel.scheduler.engine import Sleep, sleep_or_event
 from fsm_kernel.scheduler.executor import (
     AgentRunner,
     DispatchDetail,
@@ -163,20 +163,8 @@ class Worker:
 
     async def _wait(self) -> None:
         """Idle: until the poll interval passes or something changes (see _changed)."""
-        sleeper = asyncio.create_task(_awaited(self._sleep(self.poll_seconds)))
-        waker = asyncio.create_task(self._changed.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sleeper, waker):
-                task.cancel()
-            await asyncio.gather(sleeper, waker, return_exceptions=True)
+        await sleep_or_event(self._sleep(self.poll_seconds), self._changed)
 
     async def _watch(self, stop_event: asyncio.Event) -> None:
         await stop_event.wait()
         self.stop()
-
-
-async def _awaited(awaitable: Awaitable[None]) -> None:
-    """An awaitable (the injected sleep) as a coroutine, which create_task needs."""
-    await awaitable

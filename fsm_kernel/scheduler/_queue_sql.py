@@ -1,0 +1,540 @@
+"""The dispatch queue's SQL written once for SQLite and PostgreSQL: a `Dialect` holds what differs
+between them (placeholders, timestamp columns, a few functions, the notifications PostgreSQL
+sends), and `SqlDispatchQueue` runs every operation the two adapters do alike through the hooks a
+backend supplies: its connection for reads, for single writes and for transactions, each
+translating its driver's errors. A backend keeps its connection handling, its locking and its
+claim (SQLite's two statements under BEGIN IMMEDIATE, PostgreSQL's server-side function).
+
+Imports no database driver; the backends (sqlite_queue.py, pg_queue.py) do.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any, Protocol
+
+from fsm_kernel.errors import StoreSchemaError
+from fsm_kernel.protocol import Clock, new_id
+from fsm_kernel.scheduler.queue import (
+    CANCELLED_EXPIRED,
+    CANCELLED_PENDING,
+    COLUMNS,
+    DEFAULT_MAX_ATTEMPTS,
+    LEGACY_COLUMNS,
+    LEGACY_TABLE,
+    NOTIFY_CHANNEL,
+    SCHEMA_VERSION,
+    TABLE,
+    Dispatch,
+    DispatchStatus,
+    abandoned_sql,
+    already_finished,
+    lease_conflict,
+    log_reaped,
+    require_aware,
+    tick_key,
+    validate_final_status,
+)
+
+__all__ = [
+    "COLS",
+    "ORDER",
+    "POSTGRES",
+    "RETURNING",
+    "SELECT",
+    "SQLITE",
+    "Dialect",
+    "Executor",
+    "SqlDispatchQueue",
+    "claim_update",
+    "notify_item",
+    "reap_update",
+    "sqlite_ts",
+    "with_notify",
+]
+
+COLS: str = ", ".join(COLUMNS)
+SELECT: str = f"SELECT {COLS} FROM {TABLE}"
+RETURNING: str = f"RETURNING {COLS}"
+ORDER: str = "ORDER BY priority DESC, created_at, dispatch_id"
+
+
+class Rows(Protocol):
+    """What executing a statement returns (a DB-API cursor)."""
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    @property
+    def rowcount(self) -> int: ...
+
+
+class Executor(Protocol):
+    """A connection of either driver."""
+
+    def execute(self, sql: str, params: Any = ..., /) -> Rows: ...
+
+
+def sqlite_ts(moment: datetime) -> str:
+    """Fixed-width UTC ISO text, so SQLite's text comparison orders it correctly."""
+    return require_aware(moment).astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _as_is(moment: datetime) -> datetime:
+    return moment
+
+
+def _no_notify(statement: str, kind: str) -> str:
+    return statement
+
+
+def notify_item(kind: str) -> str:
+    """A select-list item that NOTIFYs `<kind> <kernel_id> <dispatch_id>` for each row."""
+    return f"pg_notify('{NOTIFY_CHANNEL}', '{kind} ' || kernel_id || ' ' || dispatch_id)"
+
+
+def with_notify(statement: str, kind: str) -> str:
+    """A data-modifying statement (ending in RETURNING) whose rows each send a notification."""
+    return f"WITH changed AS ({statement}) SELECT changed.*, {notify_item(kind)} FROM changed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dialect:
+    """What the dispatch queue's SQL and stored values differ in between SQLite and PostgreSQL."""
+
+    param: str
+    """The positional placeholder: `?` or `%s`."""
+    named: str
+    """A named placeholder, `{}` standing for the name: `:{}` or `%({})s`."""
+    timestamp: str
+    """The type of a timestamp column: TEXT (fixed-width ISO) or TIMESTAMPTZ."""
+    first_chars: str
+    """SQL for the first n characters of dispatch_id, `{}` standing for n's placeholder."""
+    nullable_int: str
+    """An integer placeholder tested with IS NULL (PostgreSQL must be told its type)."""
+    for_update: str
+    """Appended to the SELECT that reads a row before changing it in the same transaction."""
+    compound_member: str
+    """One `SELECT ... LIMIT 1` of a UNION ALL, `{}` standing for it (SQLite takes no
+    parenthesised members)."""
+    latest_per_agent: str
+    """Each agent's most recent dispatch of the kernel given as the one placeholder."""
+    table_exists: str
+    """A query that returns a row when the table named by its one placeholder exists."""
+    after_migration: tuple[str, ...]
+    """Statements run once version 1's rows have been copied."""
+    to_db_ts: Callable[[datetime], Any]
+    """An aware datetime as a timestamp column's value (text for SQLite)."""
+    notify: Callable[[str, str], str]
+    """A data-modifying statement made to notify listeners of `kind` for each row it returns
+    (unchanged where there are no notifications)."""
+
+    def n(self, name: str) -> str:
+        return self.named.format(name)
+
+    @cached_property
+    def ddl(self) -> tuple[str, ...]:
+        """The tables and indexes, created if missing."""
+        ts = self.timestamp
+        return (
+            f"""CREATE TABLE IF NOT EXISTS {TABLE} (
+        dispatch_id TEXT PRIMARY KEY,
+        kernel_id TEXT NOT NULL,
+        agent_id TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        priority INTEGER NOT NULL DEFAULT 0,
+        status TEXT NOT NULL
+            CHECK (status IN ('pending', 'running', 'done', 'failed', 'cancelled')),
+        dedupe_key TEXT UNIQUE,
+        worker_id TEXT,
+        lease_expires_at {ts},
+        attempts INTEGER NOT NULL DEFAULT 0,
+        max_attempts INTEGER NOT NULL DEFAULT {DEFAULT_MAX_ATTEMPTS} CHECK (max_attempts >= 1),
+        run_id TEXT,
+        termination_reason TEXT,
+        error TEXT,
+        created_at {ts} NOT NULL,
+        started_at {ts},
+        finished_at {ts},
+        cancel_requested_at {ts})""",
+            f"""CREATE UNIQUE INDEX IF NOT EXISTS {TABLE}_one_active
+        ON {TABLE} (kernel_id, agent_id) WHERE status IN ('pending', 'running')""",
+            f"""CREATE INDEX IF NOT EXISTS {TABLE}_pending
+        ON {TABLE} (kernel_id, priority DESC, created_at, dispatch_id) WHERE status = 'pending'""",
+            f"""CREATE INDEX IF NOT EXISTS {TABLE}_running
+        ON {TABLE} (kernel_id, lease_expires_at) WHERE status = 'running'""",
+            f"""CREATE INDEX IF NOT EXISTS {TABLE}_recent
+        ON {TABLE} (kernel_id, created_at DESC, dispatch_id DESC)""",
+            f"""CREATE TABLE IF NOT EXISTS scheduler_ticks (
+        kernel_id TEXT NOT NULL,
+        tick_at {ts} NOT NULL,
+        fired_at {ts} NOT NULL,
+        PRIMARY KEY (kernel_id, tick_at))""",
+        )
+
+    @cached_property
+    def enqueue(self) -> str:
+        p = self.param
+        return (
+            f"INSERT INTO {TABLE} (dispatch_id, kernel_id, agent_id, prompt, priority, "
+            "status, dedupe_key, attempts, max_attempts, created_at) "
+            f"VALUES ({p}, {p}, {p}, {p}, {p}, 'pending', {p}, 0, {p}, {p}) "
+            f"ON CONFLICT DO NOTHING {RETURNING}"
+        )
+
+    @cached_property
+    def reap(self) -> str:
+        """Finish the expired dispatches that must not be reclaimed (named parameters now,
+        kernel and cancelled)."""
+        return f"{reap_update(self.n)}\n{RETURNING}"
+
+    def claim(self, name: Callable[[str], str]) -> str:
+        """The claim's UPDATE, `name` turning a parameter's name into its placeholder."""
+        return claim_update(name, self.compound_member)
+
+
+def reap_update(name: Callable[[str], str]) -> str:
+    """The UPDATE (without RETURNING) that finishes the running dispatches of a kernel whose
+    lease expired and that must not be reclaimed: failed after max_attempts claims, cancelled
+    when a cancel was requested. `name` gives the placeholders of now, kernel and cancelled."""
+    now, kernel = name("now"), name("kernel")
+    return f"""UPDATE {TABLE} SET
+    status = CASE WHEN cancel_requested_at IS NULL THEN 'failed' ELSE 'cancelled' END,
+    error = CASE WHEN cancel_requested_at IS NULL THEN {abandoned_sql()}
+        ELSE {name("cancelled")} END,
+    finished_at = {now}, lease_expires_at = NULL
+WHERE kernel_id = {kernel} AND status = 'running' AND lease_expires_at <= {now}
+    AND (attempts >= max_attempts OR cancel_requested_at IS NOT NULL)"""
+
+
+def claim_update(name: Callable[[str], str], member: str = "({})") -> str:
+    """The UPDATE (without RETURNING) that claims the best claimable dispatch of a kernel while
+    fewer than the cap run under live leases. `name` gives the placeholders of worker, expires,
+    now, kernel and cap; `member` wraps each member of the UNION ALL.
+
+    Two index lookups (the best pending row, the best reclaimable one) instead of one scan over
+    "pending OR expired": each is served by a partial index that holds no finished rows. The
+    status test is repeated outside the subquery because PostgreSQL re-checks only the outer
+    conditions on a row that changed while the UPDATE waited for its row lock."""
+    now, kernel = name("now"), name("kernel")
+    reclaimable = (
+        f"status = 'running' AND lease_expires_at <= {now} AND attempts < max_attempts "
+        "AND cancel_requested_at IS NULL"
+    )
+    pending = member.format(
+        f"SELECT dispatch_id, priority, created_at FROM {TABLE}\n"
+        f"            WHERE kernel_id = {kernel} AND status = 'pending' {ORDER} LIMIT 1"
+    )
+    expired = member.format(
+        f"SELECT dispatch_id, priority, created_at FROM {TABLE}\n"
+        f"            WHERE kernel_id = {kernel} AND {reclaimable} {ORDER} LIMIT 1"
+    )
+    return f"""UPDATE {TABLE} SET status = 'running', worker_id = {name("worker")},
+    lease_expires_at = {name("expires")}, attempts = attempts + 1, started_at = {now}
+WHERE dispatch_id = (
+    SELECT dispatch_id FROM (
+        {pending}
+        UNION ALL
+        {expired}
+    ) AS candidates {ORDER} LIMIT 1)
+AND (status = 'pending' OR ({reclaimable}))
+AND (SELECT count(*) FROM {TABLE} WHERE kernel_id = {kernel} AND status = 'running'
+     AND lease_expires_at > {now}) < {name("cap")}"""
+
+
+SQLITE: Dialect = Dialect(
+    param="?",
+    named=":{}",
+    timestamp="TEXT",
+    first_chars="substr(dispatch_id, 1, {})",
+    nullable_int="?",
+    for_update="",
+    compound_member="SELECT * FROM ({})",
+    latest_per_agent=(
+        f"SELECT {COLS} FROM (SELECT *, row_number() OVER (PARTITION BY "
+        f"agent_id ORDER BY created_at DESC, dispatch_id DESC) AS rn FROM {TABLE} "
+        "WHERE kernel_id = ?) WHERE rn = 1"
+    ),
+    table_exists="SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+    after_migration=(),
+    to_db_ts=sqlite_ts,
+    notify=_no_notify,
+)
+POSTGRES: Dialect = Dialect(
+    param="%s",
+    named="%({})s",
+    timestamp="TIMESTAMPTZ",
+    first_chars="left(dispatch_id, {})",
+    nullable_int="%s::integer",
+    for_update=" FOR UPDATE",
+    compound_member="({})",
+    latest_per_agent=(
+        f"SELECT DISTINCT ON (agent_id) {COLS} FROM {TABLE} "
+        "WHERE kernel_id = %s ORDER BY agent_id, created_at DESC, dispatch_id DESC"
+    ),
+    table_exists="SELECT 1 WHERE to_regclass(%s) IS NOT NULL",
+    after_migration=(f"ANALYZE {TABLE}",),
+    to_db_ts=_as_is,
+    notify=with_notify,
+)
+
+
+class SqlDispatchQueue:
+    """Every DispatchQueue operation the two adapters do alike, in the subclass's dialect.
+
+    A subclass sets `dialect` and `clock` and supplies `_read` (a connection for reads),
+    `_write` (a connection for one write, atomic on its own) and `_transaction` (a connection
+    inside a write transaction), each translating its driver's errors to StoreError; it
+    implements `claim`, `listener`, `close` and whatever else is its own."""
+
+    dialect: Dialect
+    clock: Clock
+    _schema_where = ""
+    """Prefixed to the message of a schema that is too new (SQLite names its file)."""
+
+    def _read(self) -> AbstractContextManager[Executor]:
+        raise NotImplementedError
+
+    def _write(self) -> AbstractContextManager[Executor]:
+        raise NotImplementedError
+
+    def _transaction(self) -> AbstractContextManager[Executor]:
+        raise NotImplementedError
+
+    def _lock_schema(self, conn: Executor) -> None:
+        """Called first in ensure_schema's transaction (PostgreSQL serialises openers)."""
+
+    def _install(self, conn: Executor) -> None:
+        """Called in ensure_schema's transaction after the tables (PostgreSQL's function)."""
+
+    def _fenced_sql(
+        self, sql: str, params: tuple[Any, ...], notify: tuple[int | None, datetime] | None
+    ) -> tuple[str, tuple[Any, ...]]:
+        """A fenced update as sent (PostgreSQL wraps a completion in its notification)."""
+        return sql, params
+
+    def ensure_schema(self) -> None:
+        """Create or migrate, in one write transaction: version 1's dispatch_tasks is copied
+        into kernel_dispatch_tasks, row for row, and dropped; a second run finds nothing to do."""
+        d = self.dialect
+        with self._transaction() as conn:
+            self._lock_schema(conn)
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS scheduler_schema ("
+                "singleton INTEGER PRIMARY KEY CHECK (singleton = 1), version INTEGER NOT NULL)"
+            )
+            row = conn.execute("SELECT version FROM scheduler_schema").fetchone()
+            version = int(row["version"]) if row is not None else None
+            if version is not None and version > SCHEMA_VERSION:
+                raise StoreSchemaError(
+                    f"{self._schema_where}dispatch schema version {version} is newer than "
+                    f"this fsm-kernel supports ({SCHEMA_VERSION})"
+                )
+            for statement in d.ddl:
+                conn.execute(statement)
+            if version is not None and version < SCHEMA_VERSION:
+                if conn.execute(d.table_exists, (LEGACY_TABLE,)).fetchone() is not None:
+                    _migrate_v1(conn, d)
+            self._install(conn)
+            conn.execute(
+                f"INSERT INTO scheduler_schema VALUES (1, {d.param}) "
+                "ON CONFLICT (singleton) DO UPDATE SET version = excluded.version",
+                (SCHEMA_VERSION,),
+            )
+
+    def enqueue(
+        self,
+        kernel_id: str,
+        agent_id: str,
+        prompt: str,
+        priority: int,
+        dedupe_key: str | None,
+        *,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> Dispatch | None:
+        d = self.dialect
+        params = (new_id(), kernel_id, agent_id, prompt, priority, dedupe_key, max_attempts)
+        with self._write() as conn:
+            row = conn.execute(d.notify(d.enqueue, "enqueued"), (*params, self._now())).fetchone()
+        return Dispatch.from_row(row) if row else None
+
+    def reap(self, kernel_id: str) -> builtins.list[Dispatch]:
+        d = self.dialect
+        params = {"now": self._now(), "kernel": kernel_id, "cancelled": CANCELLED_EXPIRED}
+        with self._write() as conn:
+            rows = conn.execute(d.notify(d.reap, "ended"), params).fetchall()
+        reaped = [Dispatch.from_row(r) for r in rows]
+        log_reaped(reaped)
+        return reaped
+
+    def heartbeat(
+        self, dispatch_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
+    ) -> Dispatch:
+        expires = self.clock.now() + timedelta(seconds=lease_seconds)
+        return self._fenced_update(
+            f"lease_expires_at = {self.dialect.param}",
+            (self.dialect.to_db_ts(expires),),
+            dispatch_id,
+            worker_id,
+            attempt,
+        )
+
+    def complete(
+        self,
+        dispatch_id: str,
+        worker_id: str,
+        *,
+        status: DispatchStatus | str,
+        run_id: str | None = None,
+        termination_reason: str | None = None,
+        error: str | None = None,
+        attempt: int | None = None,
+        max_concurrent: int | None = None,
+    ) -> Dispatch:
+        final = validate_final_status(status)
+        now = self.clock.now()
+        p = self.dialect.param
+        return self._fenced_update(
+            f"status = {p}, run_id = {p}, termination_reason = {p}, error = {p}, "
+            f"finished_at = {p}, lease_expires_at = NULL",
+            (final.value, run_id, termination_reason, error, self.dialect.to_db_ts(now)),
+            dispatch_id,
+            worker_id,
+            attempt,
+            notify=(max_concurrent, now),
+        )
+
+    def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
+        d, p = self.dialect, self.dialect.param
+        now = self.clock.now()
+        with self._transaction() as conn:
+            row = conn.execute(
+                f"{SELECT} WHERE dispatch_id = {p} AND kernel_id = {p}{d.for_update}",
+                (dispatch_id, kernel_id),
+            ).fetchone()
+            if row is None:
+                return None
+            current = Dispatch.from_row(row)
+            if not current.is_active:
+                raise already_finished(current)
+            assignments, params, kind = _cancel_update(d, current, now)
+            statement = f"UPDATE {TABLE} SET {assignments} WHERE dispatch_id = {p} {RETURNING}"
+            updated = conn.execute(d.notify(statement, kind), (*params, dispatch_id)).fetchone()
+        return Dispatch.from_row(updated) if updated else None
+
+    def get(self, dispatch_id: str) -> Dispatch | None:
+        with self._read() as conn:
+            row = conn.execute(
+                f"{SELECT} WHERE dispatch_id = {self.dialect.param}", (dispatch_id,)
+            ).fetchone()
+        return Dispatch.from_row(row) if row else None
+
+    def find(self, kernel_id: str, prefix: str, limit: int = 2) -> builtins.list[Dispatch]:
+        d, p = self.dialect, self.dialect.param
+        sql = f"{SELECT} WHERE kernel_id = {p} AND {d.first_chars.format(p)} = {p} LIMIT {p}"
+        with self._read() as conn:
+            rows = conn.execute(sql, (kernel_id, len(prefix), prefix, limit)).fetchall()
+        return [Dispatch.from_row(row) for row in rows]
+
+    def active_per_agent(self, kernel_id: str) -> dict[str, Dispatch]:
+        sql = (
+            f"{SELECT} WHERE kernel_id = {self.dialect.param} AND status IN ('pending', 'running')"
+        )
+        return self._per_agent(sql, kernel_id)
+
+    def latest_per_agent(self, kernel_id: str) -> dict[str, Dispatch]:
+        return self._per_agent(self.dialect.latest_per_agent, kernel_id)
+
+    def list(self, kernel_id: str, limit: int = 50) -> builtins.list[Dispatch]:
+        p = self.dialect.param
+        sql = f"{SELECT} WHERE kernel_id = {p} ORDER BY created_at DESC, dispatch_id DESC LIMIT {p}"
+        with self._read() as conn:
+            rows = conn.execute(sql, (kernel_id, limit)).fetchall()
+        return [Dispatch.from_row(row) for row in rows]
+
+    def try_acquire_tick(self, kernel_id: str, tick_time: datetime) -> bool:
+        d, p = self.dialect, self.dialect.param
+        sql = f"INSERT INTO scheduler_ticks VALUES ({p}, {p}, {p}) ON CONFLICT DO NOTHING"
+        with self._write() as conn:
+            cursor = conn.execute(sql, (kernel_id, d.to_db_ts(tick_key(tick_time)), self._now()))
+            return cursor.rowcount == 1
+
+    def _per_agent(self, sql: str, kernel_id: str) -> dict[str, Dispatch]:
+        with self._read() as conn:
+            rows = conn.execute(sql, (kernel_id,)).fetchall()
+        return {row["agent_id"]: Dispatch.from_row(row) for row in rows}
+
+    def _fenced_update(
+        self,
+        assignments: str,
+        params: tuple[Any, ...],
+        dispatch_id: str,
+        worker_id: str,
+        attempt: int | None,
+        *,
+        notify: tuple[int | None, datetime] | None = None,
+    ) -> Dispatch:
+        """Change the row only while it is still running under this worker (and attempt);
+        StoreConflictError otherwise."""
+        p = self.dialect.param
+        sql, params = self._fenced_sql(
+            f"UPDATE {TABLE} SET {assignments} WHERE dispatch_id = {p} AND status = 'running' "
+            f"AND worker_id = {p} AND ({self.dialect.nullable_int} IS NULL OR attempts = {p}) "
+            f"{RETURNING}",
+            (*params, dispatch_id, worker_id, attempt, attempt),
+            notify,
+        )
+        with self._write() as conn:
+            row = conn.execute(sql, params).fetchone()
+            if row is None:
+                current = conn.execute(f"{SELECT} WHERE dispatch_id = {p}", (dispatch_id,))
+                found = current.fetchone()
+                raise lease_conflict(
+                    dispatch_id, worker_id, Dispatch.from_row(found) if found else None
+                )
+        return Dispatch.from_row(row)
+
+    def _now(self) -> Any:
+        return self.dialect.to_db_ts(self.clock.now())
+
+
+def _cancel_update(
+    d: Dialect, current: Dispatch, now: datetime
+) -> tuple[str, tuple[Any, ...], str]:
+    """The SET clause that cancels an active dispatch (or requests it, for a live lease), and the
+    notification it sends."""
+    p, at = d.param, d.to_db_ts(now)
+    if current.status is DispatchStatus.PENDING:
+        return (
+            f"status = 'cancelled', error = {p}, finished_at = {p}",
+            (CANCELLED_PENDING, at),
+            "ended",
+        )
+    if current.lease_expires_at is not None and current.lease_expires_at <= now:
+        return (
+            f"status = 'cancelled', error = {p}, finished_at = {p}, lease_expires_at = NULL, "
+            f"cancel_requested_at = coalesce(cancel_requested_at, {p})",
+            (CANCELLED_EXPIRED, at, at),
+            "ended",
+        )
+    return f"cancel_requested_at = coalesce(cancel_requested_at, {p})", (at,), "cancel"
+
+
+def _migrate_v1(conn: Executor, d: Dialect) -> None:
+    """Copy every row of version 1's table (the new columns take their defaults), then drop it
+    (its indexes go with it). Runs inside ensure_schema's transaction: all or nothing."""
+    columns = ", ".join(LEGACY_COLUMNS)
+    conn.execute(
+        # WHERE true: without it SQLite reads ON CONFLICT as part of the SELECT's join
+        f"INSERT INTO {TABLE} ({columns}) SELECT {columns} FROM {LEGACY_TABLE} WHERE true "
+        "ON CONFLICT DO NOTHING"
+    )
+    conn.execute(f"DROP TABLE {LEGACY_TABLE}")
+    for statement in d.after_migration:
+        conn.execute(statement)
