@@ -129,6 +129,7 @@ def as_json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @needs_local
 @pytest.mark.skipif(ollama_listens(), reason="a model server runs at the default address")
 def test_the_readme_main_job_answers_with_the_bundled_model(tmp_path: Path) -> None:
@@ -148,6 +149,7 @@ def test_the_readme_main_job_answers_with_the_bundled_model(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @needs_local
 def test_any_gguf_by_path(tmp_path: Path) -> None:
     path = bundled_gguf()

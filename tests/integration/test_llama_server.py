@@ -30,7 +30,7 @@ from fsm_kernel.config import AgentSettings
 from fsm_kernel.protocol import Completion, Message, Tool, ToolCall, ToolResult
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STARTUP_TIMEOUT = 60.0
 SYSTEM = Message.system("You are a careful agent. Use the tools you are given instead of guessing.")

@@ -45,7 +45,8 @@ TIME_RESULT = (
 
 HAS_EXTRA = importlib.util.find_spec("llama_cpp") is not None
 needs_extra = pytest.mark.skipif(not HAS_EXTRA, reason="needs the 'local' extra (llama_cpp)")
-pytestmark = pytest.mark.slow
+# A real model on 2 shared cores: minutes, not seconds, when the machine is busy.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
