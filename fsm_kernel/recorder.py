@@ -8,9 +8,12 @@ runs out (the iteration that was in flight when the process died) recording goes
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar, cast
 
 from fsm_kernel.protocol import Clock, Event, EventStore, EventType, SystemClock
 from fsm_kernel.redact import redact_data
@@ -19,6 +22,12 @@ from fsm_kernel.streaming import StreamNotice, TextDelta
 __all__ = ["RunRecorder"]
 
 logger = logging.getLogger(__name__)
+
+# A batch holding one of these is synced to disk: what follows it is a model call or a tool
+# call (side effects a resume must not repeat needlessly), or nothing (the run ended).
+_SYNC_BEFORE = frozenset(
+    {EventType.MODEL_REQUESTED, EventType.TOOL_STARTED, EventType.RUN_TERMINATED}
+)
 
 # Keys whose values must match for a recorded event to count as "the same step" during catch-up.
 _IDENTITY: dict[EventType, tuple[str, ...]] = {
@@ -54,6 +63,8 @@ class RunRecorder:
         self.diverged_at: Event | None = None
         self._pending: list[Event] = []
         self._inflight: asyncio.Future[None] | None = None
+        self._relaxable = _takes_durable(store)
+        self._append_if_idle = _idle_append(store) if self._relaxable else None
 
     @property
     def catching_up(self) -> bool:
@@ -62,26 +73,63 @@ class RunRecorder:
     def __call__(self, type_: EventType, data: dict[str, Any]) -> None:
         self.record(type_, data)
 
-    async def flush(self) -> None:
-        """Make every event recorded so far durable, in one batch, off the event loop (a
-        store's append is blocking I/O: a network round trip for PostgreSQL), in order.
+    async def flush(self, *, durable: bool | None = None) -> None:
+        """Commit every event recorded so far, in one batch, off the event loop (a store's
+        append is blocking I/O: a network round trip for PostgreSQL), in order.
 
-        The kernel flushes at the end of each step and before a tool runs, so what a step
-        did is durable before the next one starts, as if each event had been appended alone.
+        The kernel flushes at the end of each step and actions flush before each model and
+        tool call, so what a step did is committed before the next one starts, as if each
+        event had been appended alone: a process killed at any point (SIGKILL included) loses
+        at most the step in flight. `durable` says whether the commit must also reach the disk
+        before this returns; by default it does when the batch precedes a model or tool call
+        (model.requested, tool.started) or ends the run, and a store whose `append` takes
+        `durable` commits the other batches (pure steps: states entered, transitions, results
+        already in hand) without waiting for the disk: the next synced commit, at the latest
+        before the next side effect, takes them to disk with it. So a machine crash too loses
+        nothing past the last model or tool call started. Stores without the option sync
+        every batch. A relaxed batch goes to the store's `append_if_idle` on the event loop
+        when it has one (SQLite, JSONL: a local commit costs less than a thread hand-off),
+        else to a thread like the rest; the runs sharing a store write through one `_Writer`,
+        which commits the batches that arrive together in one go.
+
         If the awaiting task is cancelled, the write still completes, and the next flush
         waits for it, so the log never has a gap or a reordering.
         """
         if not self._pending:
             return
         batch, self._pending = self._pending, []
-        self._inflight = asyncio.ensure_future(self._write(self._inflight, batch))
+        if durable is None:
+            durable = any(e.type in _SYNC_BEFORE for e in batch)
+        if not durable and self._append_if_idle is not None and self._settled():
+            if self._append_if_idle(batch):  # a relaxed local commit: no thread hand-off
+                return
+        if self._settled():  # the usual case: straight to the writer, no task in between
+            self._inflight = self._writer().submit(batch, durable)
+        else:
+            self._inflight = asyncio.ensure_future(self._write(self._inflight, batch, durable))
         await asyncio.shield(self._inflight)
 
-    async def _write(self, previous: asyncio.Future[None] | None, batch: list[Event]) -> None:
+    def _writer(self) -> _Writer:
+        assert self.store is not None  # only then are events pending
+        return _Writer.of(self.store, asyncio.get_running_loop())
+
+    def _settled(self) -> bool:
+        """No earlier write is still going (or failed unseen): this batch may go first."""
+        previous = self._inflight
+        return previous is None or (
+            previous.done() and not previous.cancelled() and previous.exception() is None
+        )
+
+    async def sync(self) -> None:
+        """`flush(durable=True)`: commit and wait for the disk (before a side effect)."""
+        await self.flush(durable=True)
+
+    async def _write(
+        self, previous: asyncio.Future[None] | None, batch: list[Event], durable: bool
+    ) -> None:
         if previous is not None:
             await previous
-        assert self.store is not None  # only then are events pending
-        await asyncio.to_thread(self.store.append, batch)
+        await self._writer().submit(batch, durable)
 
     def stream_sink(self, item: TextDelta | StreamNotice) -> None:
         """Where the run's model streams to: text goes to the watchers (never stored), a
@@ -132,3 +180,122 @@ class RunRecorder:
         self._cursor += 1
         self.events.append(recorded)
         return recorded
+
+
+def _takes_durable(store: EventStore | None) -> bool:
+    """Whether `store.append` accepts `durable=` (the stores of fsm_kernel.store do)."""
+    if store is None:
+        return False
+    try:
+        parameters = inspect.signature(store.append).parameters
+    except (TypeError, ValueError):
+        return False
+    durable = parameters.get("durable")
+    return durable is not None and durable.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _idle_append(store: EventStore | None) -> Callable[[Sequence[Event]], bool] | None:
+    """The store's own `append_if_idle` (SQLite, JSONL), if it has one: only when the same
+    object also provides `append`, so a wrapper that intercepts appends sees every batch."""
+    append_if_idle = getattr(store, "append_if_idle", None)
+    owner = getattr(append_if_idle, "__self__", None)
+    if owner is None or owner is not getattr(getattr(store, "append", None), "__self__", None):
+        return None
+    return cast(Callable[[Sequence[Event]], bool], append_if_idle)
+
+
+class _Writer:
+    """Writes the batches of every run that shares one store on one event loop, from one
+    thread at a time: the batches that arrive while a write is going wait together and go
+    in the next one, through the store's `append_batches` (one transaction and at most one
+    sync for all: SQLite, PostgreSQL) or one `append` after another. So a hundred concurrent
+    runs cost a handful of thread hand-offs and syncs, not a hundred; a lone run, one each.
+    Each batch still succeeds or fails on its own, and a run's batches stay in order (a run
+    waits for each before it records the next)."""
+
+    _instances: ClassVar[
+        weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary[object, _Writer]]
+    ] = weakref.WeakKeyDictionary()
+    """Per store, per event loop; a writer refers to neither, so both can be collected."""
+
+    def __init__(self, store: EventStore) -> None:
+        self._store = weakref.ref(store)
+        self._relaxable = _takes_durable(store)
+        many = getattr(store, "append_batches", None)
+        owned = getattr(many, "__self__", None) is getattr(store.append, "__self__", False)
+        self._batches = owned and self._relaxable  # the store's own, taking durable= too
+        self._waiting: list[tuple[list[Event], bool, asyncio.Future[None]]] = []
+        self._busy = False
+
+    @classmethod
+    def of(cls, store: EventStore, loop: asyncio.AbstractEventLoop) -> _Writer:
+        """The writer of `store` on `loop` (a new one each time for a store that cannot be
+        weakly referenced: then nothing is shared)."""
+        try:
+            per_loop = cls._instances.setdefault(store, weakref.WeakKeyDictionary())
+        except TypeError:
+            return cls(store)
+        writer = per_loop.get(loop)
+        if writer is None:
+            writer = per_loop[loop] = cls(store)
+        return writer
+
+    def submit(self, batch: list[Event], durable: bool) -> asyncio.Future[None]:
+        """Queue `batch` (on the running loop); the future is done once it is written (or
+        failed to be)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._waiting.append((batch, durable, future))
+        if not self._busy:
+            self._start(loop)
+        return future
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        items, self._waiting = self._waiting, []
+        self._busy = True
+        work = loop.run_in_executor(None, self._write_all, items)
+        work.add_done_callback(functools.partial(self._written, items))
+
+    def _write_all(self, items: list[tuple[list[Event], bool, Any]]) -> list[Exception | None]:
+        """In a thread: every item's outcome, in order."""
+        store = self._store()
+        if store is None:  # pragma: no cover - the runs waiting here hold it
+            raise RuntimeError("the event store was garbage-collected while runs wrote to it")
+        if self._batches and len(items) > 1:
+            batches = [(batch, durable) for batch, durable, _ in items]
+            outcomes: list[Exception | None] = cast(Any, store).append_batches(batches)
+            return outcomes
+        errors: list[Exception | None] = []
+        for batch, durable, _ in items:
+            try:
+                if durable or not self._relaxable:
+                    store.append(batch)
+                else:
+                    relaxed: Callable[..., None] = store.append  # takes durable= (checked)
+                    relaxed(batch, durable=False)
+            except Exception as exc:  # this batch's failure, reported to its run
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
+
+    def _written(
+        self,
+        items: list[tuple[list[Event], bool, asyncio.Future[None]]],
+        work: asyncio.Future[list[Exception | None]],
+    ) -> None:
+        """On the loop: settle each item's future, then start on what queued meanwhile."""
+        self._busy = False
+        failure = work.exception() if not work.cancelled() else asyncio.CancelledError()
+        outcomes: list[BaseException | None] = (
+            [failure] * len(items) if failure is not None else list(work.result())
+        )
+        for (_, _, future), error in zip(items, outcomes, strict=True):
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        if self._waiting:
+            self._start(work.get_loop())

@@ -4,15 +4,14 @@ Imports only protocol from fsm_kernel; the kernel consumes protocol.Message nati
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from fsm_kernel.protocol import Message, ToolCall, new_id
 
-__all__ = ["InMemorySession", "Session"]
+__all__ = ["FrozenDict", "FrozenList", "InMemorySession", "Session"]
 
 
 @runtime_checkable
@@ -31,7 +30,9 @@ class Session(Protocol):
         ...
 
     def messages(self) -> list[Message]:
-        """A copy of the history, oldest first; changing it leaves the session alone."""
+        """A copy of the history, oldest first; changing it leaves the session alone (the
+        in-memory session shares its frozen messages, whose tool-call arguments refuse
+        changes)."""
         ...
 
     def clear(self) -> None:
@@ -42,7 +43,13 @@ class Session(Protocol):
 
 
 class InMemorySession:
-    """A Session held in process memory; safe to share between threads."""
+    """A Session held in process memory; safe to share between threads.
+
+    Messages are stored once, detached from the caller's objects, and shared from then on:
+    Message and ToolCall are frozen and each stored call's arguments are frozen copies (a dict
+    and lists that refuse changes), so `messages()` is a list of the stored messages that no
+    reader can change. Adding copies a call's arguments once; reading copies only the list.
+    """
 
     def __init__(self, id: str | None = None, messages: Iterable[Message] = ()) -> None:
         self._id = id or new_id()
@@ -65,8 +72,7 @@ class InMemorySession:
 
     def messages(self) -> list[Message]:
         with self._lock:
-            snapshot = list(self._messages)
-        return [_detached(m) for m in snapshot]
+            return self._messages.copy()
 
     def clear(self) -> None:
         with self._lock:
@@ -81,15 +87,66 @@ class InMemorySession:
 
 
 def _detached(message: Message) -> Message:
-    """`message` sharing no mutable state with the original.
+    """`message` sharing no mutable state with the original, and giving none to its readers.
 
     Message and ToolCall are frozen and tool_calls is a tuple, but ToolCall.arguments is a dict:
-    without copying it, a caller could change a stored call's arguments in place.
+    each call gets a frozen deep copy of its arguments, so neither the caller who added it nor
+    anyone reading the session can change a stored call's arguments in place. A message whose
+    calls are frozen already (one read from this or another session) is kept as it is.
     """
-    if not message.tool_calls:
+    if not message.tool_calls or all(type(c.arguments) is FrozenDict for c in message.tool_calls):
         return message
-    return dataclasses.replace(message, tool_calls=tuple(_copy_call(c) for c in message.tool_calls))
+    calls = tuple(_frozen_call(c) for c in message.tool_calls)
+    return dataclasses.replace(message, tool_calls=calls)
 
 
-def _copy_call(call: ToolCall) -> ToolCall:
-    return dataclasses.replace(call, arguments=copy.deepcopy(call.arguments))
+def _frozen_call(call: ToolCall) -> ToolCall:
+    if type(call.arguments) is FrozenDict:
+        return call
+    return dataclasses.replace(call, arguments=FrozenDict(call.arguments))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return FrozenDict(value)
+    if isinstance(value, list):
+        return FrozenList(value)
+    if isinstance(value, tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _refuse(self: object, *args: object, **kwargs: object) -> NoReturn:
+    raise TypeError(f"a stored tool call's arguments cannot be changed ({type(self).__name__})")
+
+
+class FrozenDict(dict[str, Any]):
+    """A dict that refuses changes, its dict and list values frozen too (a deep copy of the
+    mapping it is made from). Still a dict: `json.dumps`, `==` and `isinstance(x, dict)` work as
+    for a plain one; `dict(frozen)` or `frozen.copy()` gives a plain, changeable copy."""
+
+    __slots__ = ()
+
+    def __init__(self, source: Mapping[str, Any] = (), /) -> None:  # type: ignore[assignment]
+        super().__init__((k, _freeze(v)) for k, v in dict(source).items())
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it whole
+        return (type(self), (dict(self),))
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+
+class FrozenList(list[Any]):
+    """A list that refuses changes, its dict and list items frozen too (see FrozenDict)."""
+
+    __slots__ = ()
+
+    def __init__(self, source: Iterable[Any] = (), /) -> None:
+        super().__init__(_freeze(v) for v in source)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (list(self),))
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+    append = clear = extend = insert = pop = remove = reverse = sort = _refuse

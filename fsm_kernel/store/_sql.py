@@ -46,6 +46,7 @@ __all__ = [
     "BatchExecutor",
     "Dialect",
     "Executor",
+    "PendingAppend",
     "Rows",
     "SqlEventStore",
     "Statements",
@@ -100,6 +101,11 @@ class Dialect:
     """An aware datetime as a timestamp column's value (text for SQLite)."""
     from_db_ts: Callable[[Any], datetime]
     """A timestamp column's value as an aware UTC datetime."""
+    commit_mode: Callable[[bool], str | None]
+    """The statement that makes a transaction's commit wait for the disk (True) or not
+    (False); None when nothing needs saying."""
+    commit_mode_first: bool
+    """Run commit_mode before the transaction (SQLite's PRAGMA) rather than in it."""
 
     @cached_property
     def sql(self) -> Statements:
@@ -113,7 +119,8 @@ class Statements:
 
     insert_event: str
     insert_run: str
-    """Keeps `runs` in step with `events` for a batch without run.started."""
+    """Keeps `runs` in step with `events` for a batch without run.started (creates the row,
+    or updates it when the batch changes the iterations or the ending)."""
     upsert_run: str
     """insert_run, also setting workflow, goal and started_at (a batch with run.started)."""
     select_events: str
@@ -132,9 +139,11 @@ def _statements(d: Dialect) -> Statements:
         return d.named.format(name)
 
     # Only a batch with run.started sets workflow, goal and started_at: leaving the indexed
-    # started_at out of the SET list spares SQLite an index page rewrite (one WAL frame less
-    # per append).
-    insert_run = f"""
+    # started_at out of the SET list spares SQLite an index page rewrite. Other batches change
+    # the row only when they complete an iteration or end the run: a batch of bookkeeping
+    # events (states entered, transitions, a tool started) leaves the row, and its page,
+    # alone, so `updated_at` is when the run's summary last changed.
+    conflict = f"""
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at)
 VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
@@ -143,8 +152,12 @@ ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
     termination_reason = COALESCE({n("reason")}, runs.termination_reason),
     updated_at = {d.greatest}(runs.updated_at, {n("updated_at")})"""
+    insert_run = (
+        f"{conflict}\nWHERE excluded.iterations > runs.iterations "
+        "OR excluded.termination_reason IS NOT NULL"
+    )
     upsert_run = (
-        f"{insert_run}, workflow = {n('workflow')}, goal = {n('goal')}, "
+        f"{conflict}, workflow = {n('workflow')}, goal = {n('goal')}, "
         f"started_at = {n('started_at')}"
     )
     return Statements(
@@ -189,6 +202,19 @@ def _as_utc(ts: datetime) -> datetime:
     return ts.astimezone(UTC)
 
 
+def _sqlite_commit_mode(durable: bool) -> str:
+    # In WAL mode, FULL syncs the log at every commit; NORMAL commits to the log without a
+    # sync (the commit survives the process dying, not the machine), and the next FULL commit
+    # syncs everything logged before it.
+    return "PRAGMA synchronous = FULL" if durable else "PRAGMA synchronous = NORMAL"
+
+
+def _postgres_commit_mode(durable: bool) -> str | None:
+    # Without synchronous_commit the server acknowledges before its WAL is flushed (a client
+    # dying changes nothing; a server crash may lose the last commits, never half of one).
+    return None if durable else "SET LOCAL synchronous_commit TO OFF"
+
+
 SQLITE = Dialect(
     param="?",
     named=":{}",
@@ -200,6 +226,8 @@ SQLITE = Dialect(
     migration_sql=_sqlite_statements,
     to_db_ts=format_ts,
     from_db_ts=parse_ts,
+    commit_mode=_sqlite_commit_mode,
+    commit_mode_first=True,  # "Safety level may not be changed inside a transaction"
 )
 
 POSTGRES = Dialect(
@@ -213,6 +241,8 @@ POSTGRES = Dialect(
     migration_sql=_postgres_statements,
     to_db_ts=_as_is,
     from_db_ts=_as_utc,
+    commit_mode=_postgres_commit_mode,
+    commit_mode_first=False,  # SET LOCAL: this transaction only
 )
 
 
@@ -272,6 +302,18 @@ def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     )
 
 
+@dataclass(eq=False, kw_only=True)
+class PendingAppend:
+    """One append waiting to be committed, and how it went."""
+
+    batch: list[Event]
+    rows: list[tuple[Any, ...]]
+    runs: list[tuple[str, RunDelta]]
+    durable: bool
+    done: bool = False
+    error: Exception | None = None
+
+
 class SqlEventStore:
     """The EventStore operations both SQL backends share. A backend sets the class attributes
     and the attributes below, and implements the hooks that raise NotImplementedError.
@@ -288,6 +330,13 @@ class SqlEventStore:
     """The base class of the driver's errors."""
     _unique_violation: type[Exception]
     """The driver's error for a duplicate (run_id, seq)."""
+    _queue_lock: threading.Lock
+    _queue: list[PendingAppend]
+    """Appends waiting for the lock; whoever gets it commits them all."""
+    _known_runs: set[str]
+    """Runs whose `runs` row this store has written (it exists: rows are never deleted)."""
+    _mode_set: bool | None
+    """The durability the connection's commit mode was last set to (commit_mode_first)."""
 
     def _live(self) -> Executor:
         """The open shared connection (called with the lock held); StoreError when closed."""
@@ -318,34 +367,140 @@ class SqlEventStore:
     def close(self) -> None:
         raise NotImplementedError
 
-    def append(self, events: Sequence[Event]) -> None:
-        """Append a batch atomically and durably.
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        """Append a batch atomically; durably unless `durable` is False.
+
+        A durable append is on disk when it returns. One with `durable=False` is committed
+        (every reader sees it, and it survives this process dying, by SIGKILL too) but may wait
+        for the next durable commit, of any batch, to reach the disk: a machine crash or power
+        loss can take it. The recorder passes False for the bookkeeping of pure steps and True
+        before every model or tool call and at the end of a run.
+
+        Appends from several threads at once are committed together (group commit): one
+        transaction, each batch in a savepoint of its own, so each still succeeds or fails
+        alone, and one sync for all of them.
 
         Raises:
             StoreConflictError: a (run_id, seq) of the batch exists already (or twice in it);
                 nothing of the batch is written.
             StoreError: the database failed.
         """
+        job = self._job(events, durable=durable)
+        if job is None:
+            return
+        self._commit_queued([job])
+        if job.error is not None:
+            raise job.error
+
+    def append_batches(
+        self, batches: Sequence[tuple[Sequence[Event], bool]]
+    ) -> list[Exception | None]:
+        """Several appends, given as (events, durable), made together: each atomic and
+        succeeding or failing on its own (its error, or None, at its index), all in one
+        transaction with at most one sync. How the run recorder writes the batches of many
+        concurrent runs that share this store."""
+        errors: list[Exception | None] = [None] * len(batches)
+        jobs: list[tuple[int, PendingAppend]] = []
+        for i, (events, durable) in enumerate(batches):
+            try:
+                job = self._job(events, durable=durable)
+            except StoreError as exc:
+                errors[i] = exc
+                continue
+            if job is not None:
+                jobs.append((i, job))
+        self._commit_queued([job for _, job in jobs])
+        for i, job in jobs:
+            errors[i] = job.error
+        return errors
+
+    def _commit_queued(self, jobs: list[PendingAppend]) -> None:
+        """Queue `jobs`; whoever holds the lock next commits everything queued."""
+        if not jobs:
+            return
+        with self._queue_lock:
+            self._queue.extend(jobs)
+        with self._lock:
+            if not all(job.done for job in jobs):  # else a holder before took them along
+                with self._queue_lock:
+                    group, self._queue = self._queue, []
+                self._commit(group)
+
+    def _job(self, events: Sequence[Event], *, durable: bool) -> PendingAppend | None:
+        """The rows of an append, checked; None for an empty batch."""
         batch = list(events)
         if not batch:
-            return
+            return None
         check_events(batch)
         d = self._dialect
-        rows = [event_row(d, e) for e in batch]
-        runs = [
-            (d.sql.insert_run if delta.started_at is None else d.sql.upsert_run, delta)
-            for delta in summarize_batch(batch)
-        ]
-        with self._lock:
-            try:
-                with self._transaction() as cur:
-                    cur.executemany(d.sql.insert_event, rows)
-                    for sql, delta in runs:
-                        cur.execute(sql, run_params(d, delta))
-            except self._unique_violation as exc:
-                raise self._conflict(batch) from exc
-            except self._driver_error as exc:
-                raise self._error("append failed", exc) from exc
+        return PendingAppend(
+            batch=batch,
+            rows=[event_row(d, e) for e in batch],
+            runs=[
+                (d.sql.insert_run if delta.started_at is None else d.sql.upsert_run, delta)
+                for delta in summarize_batch(batch)
+            ],
+            durable=durable,
+        )
+
+    def _commit(self, group: list[PendingAppend]) -> None:
+        """Write the queued batches in one transaction (called with the lock held); each
+        batch's outcome goes to its `error` and `done`."""
+        try:
+            self._write(group)
+        except self._unique_violation as exc:  # a lone batch (several have savepoints)
+            group[0].error = self._conflict(group[0].batch)
+            group[0].error.__cause__ = exc
+        except self._driver_error as exc:
+            for job in group:
+                job.error = self._error("append failed", exc)
+                job.error.__cause__ = exc
+        except Exception as exc:  # StoreError: the store is closed
+            for job in group:
+                job.error = exc if len(group) == 1 else StoreError(str(exc))
+        except BaseException as exc:  # KeyboardInterrupt in this thread: nothing committed
+            for job in group:
+                job.error = StoreError(f"{self._where}: append interrupted ({exc!r})")
+            raise
+        finally:
+            for job in group:
+                job.done = True
+
+    def _write(self, group: list[PendingAppend]) -> None:
+        d = self._dialect
+        durable = any(job.durable for job in group)
+        mode = d.commit_mode(durable)
+        if mode is not None and d.commit_mode_first and self._mode_set is not durable:
+            self._mode_set = None  # unknown until the statement succeeds
+            self._live().execute(mode)
+            self._mode_set = durable
+        with self._transaction() as cur:
+            if mode is not None and not d.commit_mode_first:
+                cur.execute(mode)
+            if len(group) == 1:
+                self._insert(cur, group[0])
+            else:
+                for job in group:
+                    cur.execute("SAVEPOINT batch")
+                    try:
+                        self._insert(cur, job)
+                    except self._unique_violation as exc:
+                        cur.execute("ROLLBACK TO SAVEPOINT batch")
+                        job.error = self._conflict(job.batch)
+                        job.error.__cause__ = exc
+                    cur.execute("RELEASE SAVEPOINT batch")
+        for job in group:
+            if job.error is None:
+                self._known_runs.update(delta.run_id for _, delta in job.runs)
+
+    def _insert(self, cur: BatchExecutor, job: PendingAppend) -> None:
+        d = self._dialect
+        cur.executemany(d.sql.insert_event, job.rows)
+        for sql, delta in job.runs:
+            quiet = delta.iterations == 0 and delta.termination_reason is None
+            if sql is d.sql.insert_run and quiet and delta.run_id in self._known_runs:
+                continue  # the row exists and would stay as it is (see insert_run)
+            cur.execute(sql, run_params(d, delta))
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""
@@ -383,7 +538,12 @@ class SqlEventStore:
                 raise self._error(what, exc) from exc
 
     def _migrate_or_close(self) -> None:
-        """Set up the schema when the store opens; close the store if that fails."""
+        """Set up the append queue and the schema when the store opens; close the store if
+        that fails."""
+        self._queue_lock = threading.Lock()
+        self._queue: list[PendingAppend] = []
+        self._known_runs: set[str] = set()
+        self._mode_set: bool | None = None
         try:
             self._migrate()
         except BaseException:

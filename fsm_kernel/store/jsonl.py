@@ -2,9 +2,10 @@
 that moves runs between stores.
 
 One event per line: Event.to_dict() plus a "crc32" of the rest (checked when present, so
-hand-written fixtures may leave it out). Appends are fsynced and serialized between processes
-with flock; a torn last line left by a crash is ignored and cut off by the next append. Unlike
-the databases, a crash in the middle of a multi-event write may keep that batch's first lines.
+hand-written fixtures may leave it out). Appends are fsynced (a batch written with
+`durable=False` waits for the next fsync) and serialized between processes with flock; a torn
+last line left by a crash is ignored and cut off by the next append. Unlike the databases, a
+crash in the middle of a multi-event write may keep that batch's first lines.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,6 +49,15 @@ __all__ = ["JsonlEventStore", "export_run", "import_events"]
 logger = logging.getLogger(__name__)
 
 _CRC_KEY = "crc32"
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A batch ready to write: its events, its lines, and the events as stored."""
+
+    batch: list[Event]
+    payload: bytes
+    stored: list[Event]
 
 
 class JsonlEventStore:
@@ -89,34 +99,76 @@ class JsonlEventStore:
     ) -> None:
         self.close()
 
-    def append(self, events: Sequence[Event]) -> None:
-        """Append a batch with one write and one fsync.
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        """Append a batch with one write and, unless `durable` is False, one fsync.
+
+        With `durable=False` the lines are written (every reader sees them, and they survive
+        this process dying) but reach the disk with the next durable append's fsync.
 
         Raises:
             StoreConflictError: a (run_id, seq) of the batch exists already (or twice in it);
                 nothing of the batch is written.
             StoreError: the file could not be written.
         """
+        prepared = self._prepare(events)
+        if prepared is None:
+            return
+        with self._lock, self._flocked(fcntl.LOCK_EX):
+            self._append_locked(prepared, durable=durable)
+
+    def append_if_idle(self, events: Sequence[Event]) -> bool:
+        """`append(events, durable=False)` done at once on the calling thread when neither
+        another thread nor another process holds the file; False, with nothing done,
+        otherwise. An append without fsync is a few microseconds of work, so the run recorder
+        makes it on the event loop rather than handing it to a thread.
+
+        Raises:
+            StoreConflictError, StoreError: as `append`.
+        """
+        prepared = self._prepare(events)
+        if prepared is None:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            fd = self._live()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot lock: {exc}") from exc
+            try:
+                self._append_locked(prepared, durable=False)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
+        return True
+
+    def _prepare(self, events: Sequence[Event]) -> _Prepared | None:
         batch = list(events)
         if not batch:
-            return
+            return None
         check_events(batch)
         lines = [_encode_line(e) for e in batch]
         # Index what was written, decoded again: UTC timestamps and data the caller cannot
         # mutate afterwards, exactly as a reopened store will see them.
         stored = [_decode_line(line, f"{self.path}:append") for line in lines]
-        payload = b"".join(lines)
-        with self._lock, self._flocked(fcntl.LOCK_EX):
-            self._catch_up()
-            self._check_conflicts(batch)
-            self._repair_tail()
-            if self._needs_newline:
-                payload = b"\n" + payload
-            self._write(payload)
-            self._needs_newline = False
-            self._offset += len(payload)
-            self._lineno += len(batch)
-            self._index([e for e in stored if e is not None])
+        return _Prepared(batch, b"".join(lines), [e for e in stored if e is not None])
+
+    def _append_locked(self, prepared: _Prepared, *, durable: bool) -> None:
+        self._catch_up()
+        self._check_conflicts(prepared.batch)
+        self._repair_tail()
+        payload = prepared.payload
+        if self._needs_newline:
+            payload = b"\n" + payload
+        self._write(payload, durable=durable)
+        self._needs_newline = False
+        self._offset += len(payload)
+        self._lineno += len(prepared.batch)
+        self._index(prepared.stored)
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""
@@ -252,11 +304,12 @@ class JsonlEventStore:
         logger.warning("%s: cut off a torn last line at byte %d", self.path, self._offset)
         self._torn = False
 
-    def _write(self, payload: bytes) -> None:
+    def _write(self, payload: bytes, *, durable: bool) -> None:
         fd = self._live()
         try:
             _write_all(fd, payload)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._offset)  # leave no half-written batch behind

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import logging
+import queue
 import re
 import threading
 import time
@@ -163,12 +164,12 @@ class RegisteredTool:
     timeout: float | None = None
     """Seconds; None means the registry's default."""
 
-    @property
+    @functools.cached_property
     def definition(self) -> Tool:
-        """The tool as offered to the model."""
+        """The tool as offered to the model (built once: Tool is frozen)."""
         return Tool(name=self.name, description=self.description, parameters=self.parameters)
 
-    @property
+    @functools.cached_property
     def is_async(self) -> bool:
         return _is_async_callable(self.handler)
 
@@ -194,9 +195,13 @@ class ToolRegistry:
 
     `execute` never raises for a tool's problem: unknown names, bad arguments, exceptions,
     timeouts and fatal errors all come back as error `ToolResult`s. Only cancellation escapes.
-    Sync handlers run in a daemon thread of their own: a timed-out one keeps running (threads
-    cannot be killed) and its result is discarded, but it neither holds a slot of the event
-    loop's default executor nor keeps the process from exiting.
+    Async handlers run on the event loop under `asyncio.timeout`. Sync handlers with a timeout
+    run on a daemon thread of a shared pool (threads are reused, not started per call): a
+    timed-out one keeps running (threads cannot be killed) and its result is discarded, but it
+    neither holds a slot of the event loop's default executor nor keeps the process from
+    exiting; the pool starts another thread for the next call. A sync handler without a timeout
+    (`default_timeout=None` and none of its own) runs inline, on the event loop's thread: it
+    blocks the loop while it runs, so give blocking tools a timeout.
     """
 
     def __init__(
@@ -343,7 +348,7 @@ class ToolRegistry:
         limit = entry.timeout if entry.timeout is not None else self.default_timeout
         try:
             async with asyncio.timeout(limit):
-                return await _call_handler(entry, kwargs)
+                return await _call_handler(entry, kwargs, limit)
         except TimeoutError as exc:
             # Only the deadline lands here: a handler's own TimeoutError became a
             # ToolExecutionError inside _call_handler.
@@ -368,41 +373,88 @@ class ToolRegistry:
         )
 
 
-async def _call_handler(entry: RegisteredTool, kwargs: dict[str, Any]) -> Any:
+async def _call_handler(entry: RegisteredTool, kwargs: dict[str, Any], limit: float | None) -> Any:
     try:
         if entry.is_async:
             return await entry.handler(**kwargs)
-        return await _in_daemon_thread(entry.name, functools.partial(entry.handler, **kwargs))
+        if limit is None:  # nothing to enforce: no thread hop
+            return entry.handler(**kwargs)
+        return await _POOL.run(entry.name, functools.partial(entry.handler, **kwargs))
     except ToolError:
         raise
     except Exception as exc:
         raise ToolExecutionError(f"{type(exc).__name__}: {exc}", tool_name=entry.name) from exc
 
 
-async def _in_daemon_thread(name: str, func: Callable[[], Any]) -> Any:
-    """Await `func()` run in a new daemon thread (contextvars copied, as asyncio.to_thread does).
+_Job = Callable[[], Callable[[], None]]
+"""Runs a handler; returns what delivers its outcome to the awaiting loop."""
 
-    Not asyncio.to_thread: asyncio.run() waits for the default executor's threads on exit, so one
-    hung sync tool would keep the CLI from ever exiting after its timeout.
+
+class _DaemonPool:
+    """Daemon threads for sync tool handlers, reused from call to call.
+
+    Not a concurrent.futures.ThreadPoolExecutor (nor asyncio.to_thread): their threads are
+    joined when the interpreter exits, so one hung sync tool would keep the CLI from ever
+    exiting after its timeout. Here every thread is a daemon; an idle one waits for the next
+    call up to IDLE_SECONDS, then ends. A call finding no idle thread starts one, so a hung
+    handler never delays another call. Contextvars are copied, as asyncio.to_thread does.
     """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    context = contextvars.copy_context()
 
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():  # cancelled by a timeout or by the caller meanwhile
-            outcome()
+    IDLE_SECONDS = 30.0
 
-    def target() -> None:
-        try:
-            value = context.run(func)
-        except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
-            _notify(loop, settle, functools.partial(future.set_exception, exc))
-        else:
-            _notify(loop, settle, functools.partial(future.set_result, value))
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._idle = 0
 
-    threading.Thread(target=target, name=f"tool-{name}", daemon=True).start()
-    return await future
+    async def run(self, name: str, func: Callable[[], Any]) -> Any:
+        """Await `func()` run on one of the pool's threads."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        context = contextvars.copy_context()
+
+        def settle(outcome: Callable[[], None]) -> None:
+            if not future.done():  # cancelled by a timeout or by the caller meanwhile
+                outcome()
+
+        def job() -> Callable[[], None]:
+            try:
+                value = context.run(func)
+            except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
+                outcome = functools.partial(future.set_exception, exc)
+            else:
+                outcome = functools.partial(future.set_result, value)
+            return functools.partial(_notify, loop, settle, outcome)
+
+        self._submit(job, name)
+        return await future
+
+    def _submit(self, job: _Job, name: str) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._work, args=(job,), name=f"tool-{name}", daemon=True).start()
+
+    def _work(self, job: _Job) -> None:
+        while True:
+            deliver = job()
+            with self._lock:  # idle before the caller hears back: its next call reuses this
+                self._idle += 1
+            deliver()
+            try:
+                job = self._jobs.get(timeout=self.IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    try:  # a call counted on this thread just as it timed out
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        self._idle -= 1
+                        return
+
+
+_POOL = _DaemonPool()
 
 
 def _notify(

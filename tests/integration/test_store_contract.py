@@ -3,11 +3,12 @@ files in tmp_path, and a real PostgreSQL database from tests/pg.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -22,7 +23,15 @@ from fsm_kernel.errors import (
     StoreConflictError,
     StoreError,
 )
-from fsm_kernel.protocol import Event, EventStore, EventType
+from fsm_kernel.protocol import (
+    Completion,
+    Event,
+    EventStore,
+    EventType,
+    Message,
+    Tool,
+    ToolCall,
+)
 from fsm_kernel.store import (
     AnyEventStore,
     JsonlEventStore,
@@ -384,6 +393,82 @@ def test_events_acknowledged_before_sigkill_survive(backend: Backend) -> None:
     assert stored == list(range(1, len(stored) + 1))
 
 
+_RELAXED_ACKER = """
+import sys
+from datetime import UTC, datetime
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.store import JsonlEventStore, PostgresEventStore, SqliteEventStore
+
+kind, location, how = sys.argv[1], sys.argv[2], sys.argv[3]
+cls = {"sqlite": SqliteEventStore, "jsonl": JsonlEventStore, "postgres": PostgresEventStore}[kind]
+store = cls(location)
+for seq in range(1, 100_000):
+    batch = [Event(run_id="killed", seq=seq, type=EventType.STATE_ENTERED,
+                   timestamp=datetime.now(UTC), data={"n": seq})]
+    if how == "relaxed" or not store.append_if_idle(batch):
+        store.append(batch, durable=False)
+    print(seq, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["relaxed", "idle"])
+def test_relaxed_appends_acknowledged_before_sigkill_survive(backend: Backend, how: str) -> None:
+    """`durable=False` and `append_if_idle` skip the wait for the disk, not the commit: what
+    was acknowledged survives the process being killed."""
+    if how == "idle" and backend.kind == "postgres":
+        pytest.skip("append_if_idle is for local stores (a relaxed PostgreSQL commit is I/O)")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RELAXED_ACKER, backend.kind, backend.location, how],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    acked = 0
+    try:
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 40:
+                break
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert acked >= 40, err
+    with backend.open() as store:
+        stored = seqs(store, "killed")
+    assert stored[:acked] == list(range(1, acked + 1))
+    assert stored == list(range(1, len(stored) + 1))
+
+
+def test_concurrent_appends_commit_together_and_fail_alone(store: AnyEventStore) -> None:
+    store.append([started("dup")])
+    threads = 10
+    barrier = threading.Barrier(threads)
+    outcomes: dict[int, str] = {}
+
+    def work(n: int) -> None:
+        barrier.wait()
+        batch = [ev("dup", 1)] if n == 3 else [ev(f"g{n}", 1), ev(f"g{n}", 2)]
+        try:
+            store.append(batch, durable=n % 2 == 0)
+            outcomes[n] = "ok"
+        except StoreConflictError:
+            outcomes[n] = "conflict"
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert outcomes == {n: "conflict" if n == 3 else "ok" for n in range(threads)}
+    assert [e.type for e in store.read("dup")] == [EventType.RUN_STARTED]
+    for n in range(threads):
+        if n != 3:
+            assert seqs(store, f"g{n}") == [1, 2]
+
+
 def test_reopened_store_reads_everything_back(backend: Backend) -> None:
     with backend.open() as store:
         store.append([started("r", workflow="react", goal="keep me")])
@@ -559,3 +644,84 @@ def test_a_closed_store_does_not_lock(backend: Backend) -> None:
     with pytest.raises(StoreError, match="closed"):
         with store.lock_run("r"):
             pass
+
+
+# --- what a run asks of its store ----------------------------------------------------------------
+
+
+class _Recording:
+    """A store that takes `durable=` and records each batch's event types and durability."""
+
+    def __init__(self, inner: AnyEventStore) -> None:
+        self.inner = inner
+        self.batches: list[tuple[list[EventType], bool]] = []
+
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        self.batches.append(([e.type for e in events], durable))
+        self.inner.append(events, durable=durable)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+class _TwoCalls:
+    """Two tool calls in one reply, then an answer."""
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+        if messages[-1].role.value == "user":
+            calls = [ToolCall(id=f"c{i}", name="datetime", arguments={}) for i in range(2)]
+            return Completion(message=Message.assistant("", calls))
+        return Completion(message=Message.assistant("It is noon."))
+
+
+def test_a_run_syncs_before_each_model_and_tool_call_and_at_its_end(store: AnyEventStore) -> None:
+    """Every step is committed before the next starts; the disk is waited for only before a
+    side effect (model call, tool call) and at the end, which then covers all before it."""
+    from fsm_kernel.kernel import Kernel
+    from fsm_kernel.tools import builtin_registry
+    from fsm_kernel.workflow.compiler import compile_workflow
+    from fsm_kernel.workflow.loader import load_workflow
+
+    recording = _Recording(store)
+    kernel = Kernel(
+        compile_workflow(load_workflow(REPO / "workflows" / "default.yaml")),
+        model=_TwoCalls(),
+        tools=builtin_registry("."),
+        store=recording,  # type: ignore[arg-type]
+    )
+    result = asyncio.run(kernel.run("What time is it?"))
+    assert result.termination_reason == "final_answer"
+    side_effects = {EventType.MODEL_REQUESTED, EventType.TOOL_STARTED}
+    for types, durable in recording.batches:
+        expected = types[-1] in side_effects or EventType.RUN_TERMINATED in types
+        assert durable is expected, (types, durable)
+    second_start = [types for types, _ in recording.batches if EventType.TOOL_STARTED in types][1]
+    assert EventType.TOOL_FINISHED in second_start  # the first call's result synced before
+    assert [e.seq for e in store.read(result.run_id)] == list(range(1, len(result.events) + 1))
+
+
+def test_concurrent_runs_sharing_a_store_each_log_every_step(store: AnyEventStore) -> None:
+    """Runs on one store and one loop write through one writer, their batches committed
+    together: each run's log is still whole and in order."""
+    from fsm_kernel.kernel import Kernel
+    from fsm_kernel.tools import builtin_registry
+    from fsm_kernel.workflow.compiler import compile_workflow
+    from fsm_kernel.workflow.loader import load_workflow
+
+    kernel = Kernel(
+        compile_workflow(load_workflow(REPO / "workflows" / "default.yaml")),
+        model=_TwoCalls(),
+        tools=builtin_registry("."),
+        store=store,
+    )
+
+    async def main() -> list[Any]:
+        return list(await asyncio.gather(*(kernel.run(f"task {i}") for i in range(20))))
+
+    results = asyncio.run(main())
+    assert {r.termination_reason for r in results} == {"final_answer"}
+    for result in results:
+        stored = store.read(result.run_id)
+        assert [e.seq for e in stored] == list(range(1, len(result.events) + 1))
+        assert [e.type for e in stored] == [e.type for e in result.events]
+    assert len(store.list_runs(limit=100)) == 20

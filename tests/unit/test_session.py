@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import pickle
 import re
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -131,18 +136,60 @@ def test_returned_tool_calls_cannot_be_mutated() -> None:
     assert session.messages()[0].tool_calls == (ToolCall(id="c", name="t"),)
 
 
-def test_tool_call_arguments_are_copied_in_and_out() -> None:
-    arguments = {"path": "a.txt", "options": {"lines": [1, 2]}}
+def test_tool_call_arguments_are_copied_in_and_frozen_out() -> None:
+    arguments: dict[str, Any] = {"path": "a.txt", "options": {"lines": [1, 2]}}
     session = InMemorySession()
     session.add(Message.assistant(tool_calls=[ToolCall(id="c", name="t", arguments=arguments)]))
     arguments["path"] = "changed-by-caller"
+    arguments["options"]["lines"].append(3)
     [stored] = session.messages()
-    stored.tool_calls[0].arguments["path"] = "changed-by-reader"
-    stored.tool_calls[0].arguments["options"]["lines"].append(3)
+    stored_args = stored.tool_calls[0].arguments
+    changes: list[Callable[[], object]] = [
+        lambda: stored_args.__setitem__("path", "changed-by-reader"),
+        lambda: stored_args.update(path="x"),
+        lambda: stored_args.pop("path"),
+        lambda: stored_args.clear(),
+        lambda: stored_args.setdefault("new", 1),
+        lambda: stored_args.__delitem__("path"),
+        lambda: stored_args["options"].__setitem__("lines", []),
+        lambda: stored_args["options"]["lines"].append(3),
+        lambda: stored_args["options"]["lines"].__setitem__(0, 9),
+        lambda: stored_args["options"]["lines"].extend([3]),
+        lambda: stored_args["options"]["lines"].sort(),
+    ]
+    for change in changes:
+        with pytest.raises(TypeError, match="cannot be changed"):
+            change()
     assert session.messages()[0].tool_calls[0].arguments == {
         "path": "a.txt",
         "options": {"lines": [1, 2]},
     }
+
+
+def test_frozen_arguments_behave_as_plain_json_values() -> None:
+    session = InMemorySession()
+    arguments = {"q": "x", "n": [1, {"k": None}], "t": (1, 2)}
+    session.add(Message.assistant(tool_calls=[ToolCall(id="c", name="t", arguments=arguments)]))
+    stored = session.messages()[0].tool_calls[0].arguments
+    assert isinstance(stored, dict)
+    assert stored == arguments
+    assert json.dumps(stored, sort_keys=True) == json.dumps(arguments, sort_keys=True)
+    assert copy.deepcopy(stored) == stored
+    assert pickle.loads(pickle.dumps(stored)) == stored
+    plain = dict(stored)
+    plain["q"] = "y"  # a copy is the caller's to change
+    assert stored["q"] == "x"
+    assert ToolCall.from_dict(session.messages()[0].tool_calls[0].to_dict()).arguments == stored
+
+
+def test_reading_shares_the_stored_messages_instead_of_copying_them() -> None:
+    session = InMemorySession()
+    session.add(Message.assistant(tool_calls=[ToolCall(id="c", name="t", arguments={"a": 1})]))
+    first, second = session.messages(), session.messages()
+    assert first is not second
+    assert first[0] is second[0]
+    again = InMemorySession(messages=first)  # frozen calls are not copied again
+    assert again.messages()[0] is first[0]
 
 
 def test_clear_empties_the_session() -> None:

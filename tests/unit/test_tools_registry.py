@@ -385,8 +385,8 @@ def test_import_tools_by_reference() -> None:
     module.beta = lambda: "b"  # type: ignore[attr-defined]
     sys.modules[module.__name__] = module
     try:
-        assert import_tools("fsm_test_user_tools") == [module.alpha]  # type: ignore[attr-defined]
-        assert import_tools("fsm_test_user_tools:beta") == [module.beta]  # type: ignore[attr-defined]
+        assert import_tools("fsm_test_user_tools") == [module.alpha]
+        assert import_tools("fsm_test_user_tools:beta") == [module.beta]
         with pytest.raises(ConfigError, match="has no function 'gamma'"):
             import_tools("fsm_test_user_tools:gamma")
     finally:
@@ -411,6 +411,72 @@ def test_sync_handler_runs_in_a_worker_thread() -> None:
     assert (result.content, result.is_error, result.truncated) == ("ok", False, False)
     assert seen
     assert seen[0] != threading.main_thread().name
+
+
+def test_sync_handler_without_a_timeout_runs_inline_on_the_loop() -> None:
+    registry = ToolRegistry(default_timeout=None)
+    seen: list[int] = []
+
+    @registry.register
+    def where() -> str:
+        seen.append(threading.get_ident())
+        return "ok"
+
+    async def main() -> tuple[int, str]:
+        result = await registry.execute(call("where"))
+        return threading.get_ident(), result.content
+
+    loop_thread, content = asyncio.run(main())
+    assert content == "ok"
+    assert seen == [loop_thread]
+
+
+def test_sync_handlers_with_a_timeout_share_reused_daemon_threads() -> None:
+    registry = ToolRegistry()
+    seen: list[threading.Thread] = []
+
+    @registry.register
+    def where() -> str:
+        seen.append(threading.current_thread())
+        return "ok"
+
+    async def main() -> int:
+        for _ in range(20):  # one after the other: a thread idle again is taken again
+            assert (await registry.execute(call("where"))).content == "ok"
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert len(seen) == 20
+    assert all(t.daemon and t.ident != loop_thread for t in seen)
+    assert len({t.ident for t in seen}) < 20  # not a new thread per call
+
+
+def test_a_timed_out_sync_handler_keeps_its_thread_and_the_next_call_gets_another() -> None:
+    registry = ToolRegistry()
+    release = threading.Event()
+    threads: list[int] = []
+
+    @registry.register(timeout=0.05)
+    def stuck() -> str:
+        threads.append(threading.get_ident())
+        release.wait(10)
+        return "late"
+
+    @registry.register
+    def quick() -> str:
+        threads.append(threading.get_ident())
+        return "quick"
+
+    async def main() -> list[str]:
+        first = await registry.execute(call("stuck"))
+        second = await registry.execute(call("quick"))
+        return [first.error_type or "", second.content]
+
+    try:
+        assert asyncio.run(main()) == ["ToolTimeoutError", "quick"]
+        assert threads[0] != threads[1]  # the hung handler still holds its thread
+    finally:
+        release.set()
 
 
 def test_async_handler_is_awaited() -> None:

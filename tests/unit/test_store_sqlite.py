@@ -1,0 +1,182 @@
+"""SqliteEventStore internals the contract tests cannot see: which commits sync the disk, the
+idle append on the caller's thread, small pages for new files, checkpoints after commits, and
+the runs row left alone by bookkeeping batches."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fsm_kernel.store.sqlite as sqlite_module
+from fsm_kernel.errors import StoreConflictError
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.store import SqliteEventStore
+
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def ev(
+    seq: int,
+    type_: EventType = EventType.STATE_ENTERED,
+    *,
+    iteration: int = 0,
+    data: dict[str, Any] | None = None,
+) -> Event:
+    if data is None:
+        data = {"workflow": "w", "goal": "g"} if type_ is EventType.RUN_STARTED else {}
+    return Event(
+        run_id="r",
+        seq=seq,
+        type=type_,
+        timestamp=T0 + timedelta(seconds=seq),
+        iteration=iteration,
+        state="think",
+        data=data,
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteEventStore]:
+    with SqliteEventStore(tmp_path / "runs.db") as opened:
+        opened.append([ev(1, EventType.RUN_STARTED)])
+        yield opened
+
+
+def traced(store: SqliteEventStore) -> list[str]:
+    statements: list[str] = []
+    conn = store._conn
+    assert conn is not None
+    conn.set_trace_callback(statements.append)
+    return statements
+
+
+def test_a_relaxed_commit_does_not_sync_and_a_durable_one_does(store: SqliteEventStore) -> None:
+    statements = traced(store)
+    store.append([ev(2)], durable=False)
+    store.append([ev(3)], durable=False)
+    store.append([ev(4)])
+    modes = [s for s in statements if s.startswith("PRAGMA synchronous")]
+    assert modes == ["PRAGMA synchronous = NORMAL", "PRAGMA synchronous = FULL"]  # on change
+    assert [e.seq for e in store.read("r")] == [1, 2, 3, 4]
+
+
+def test_append_if_idle_commits_on_the_calling_thread(
+    store: SqliteEventStore, tmp_path: Path
+) -> None:
+    statements = traced(store)
+    assert store.append_if_idle([ev(2)]) is True
+    assert "PRAGMA synchronous = NORMAL" in statements
+    with SqliteEventStore(tmp_path / "runs.db") as other:  # committed: another reader sees it
+        assert [e.seq for e in other.read("r")] == [1, 2]
+    assert store.append_if_idle([]) is True
+
+
+def test_append_if_idle_gives_up_while_another_process_writes(
+    store: SqliteEventStore, tmp_path: Path
+) -> None:
+    writer = sqlite3.connect(tmp_path / "runs.db", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # holds the write lock, as another process's commit would
+    try:
+        assert store.append_if_idle([ev(2)]) is False  # at once, not after busy_timeout
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert [e.seq for e in store.read("r")] == [1]  # nothing written
+    conn = store._conn
+    assert conn is not None
+    assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000  # restored
+    store.append([ev(2)], durable=False)  # the fallback goes through
+    assert [e.seq for e in store.read("r")] == [1, 2]
+
+
+def test_append_if_idle_gives_up_while_another_thread_holds_the_store(
+    store: SqliteEventStore,
+) -> None:
+    with store._lock:
+        assert store.append_if_idle([ev(2)]) is False
+    assert [e.seq for e in store.read("r")] == [1]
+
+
+def test_append_if_idle_reports_conflicts_like_append(store: SqliteEventStore) -> None:
+    with pytest.raises(StoreConflictError, match="seq 1 already exists"):
+        store.append_if_idle([ev(1)])
+
+
+def test_concurrent_appends_share_commits_and_fail_alone(store: SqliteEventStore) -> None:
+    threads = 12
+    barrier = threading.Barrier(threads)
+    outcomes: dict[int, str] = {}
+
+    def work(n: int) -> None:
+        barrier.wait()
+        events = [ev(1)] if n == 5 else [ev(100 + 2 * n), ev(101 + 2 * n)]
+        try:
+            store.append(events, durable=n % 2 == 0)
+            outcomes[n] = "ok"
+        except StoreConflictError:
+            outcomes[n] = "conflict"
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert outcomes == {n: "conflict" if n == 5 else "ok" for n in range(threads)}
+    written = sorted(s for n in range(threads) if n != 5 for s in (100 + 2 * n, 101 + 2 * n))
+    expected = [1, *written]
+    assert [e.seq for e in store.read("r")] == expected
+    assert store.read("r")[0].type is EventType.RUN_STARTED
+
+
+def test_a_new_database_gets_small_pages_and_an_old_one_keeps_its_own(tmp_path: Path) -> None:
+    with SqliteEventStore(tmp_path / "new.db") as new:
+        assert new._conn is not None
+        assert new._conn.execute("PRAGMA page_size").fetchone()[0] == 1024
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.execute("PRAGMA page_size = 4096")
+    old.execute("CREATE TABLE other (x)")
+    old.commit()
+    old.close()
+    with SqliteEventStore(tmp_path / "old.db") as store:
+        store.append([ev(1, EventType.RUN_STARTED)])
+        assert store._conn is not None
+        assert store._conn.execute("PRAGMA page_size").fetchone()[0] == 4096
+        assert len(store.read("r")) == 1
+
+
+def test_checkpoints_follow_durable_commits_never_idle_ones(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_module, "CHECKPOINT_EVERY", 3)
+    assert store._conn is not None
+    assert store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    statements = traced(store)
+    for seq in range(2, 8):
+        assert store.append_if_idle([ev(seq)])
+    assert not [s for s in statements if "wal_checkpoint" in s]
+    store.append([ev(8)])
+    assert [s for s in statements if "wal_checkpoint" in s] == ["PRAGMA wal_checkpoint(PASSIVE)"]
+
+
+def test_bookkeeping_batches_leave_the_runs_row_alone(store: SqliteEventStore) -> None:
+    statements = traced(store)
+    store.append([ev(2), ev(3)], durable=False)  # states entered: nothing for `runs`
+    assert not [s for s in statements if "INSERT INTO runs" in s]
+    store.append([ev(4, EventType.ITERATION_COMPLETED, iteration=1)])
+    assert [s for s in statements if "INSERT INTO runs" in s]
+    [summary] = store.list_runs()
+    assert (summary.workflow, summary.iterations, summary.termination_reason) == ("w", 1, None)
+    store.append([ev(5, EventType.RUN_TERMINATED, iteration=1, data={"reason": "done"})])
+    assert store.list_runs()[0].termination_reason == "done"
+
+
+def test_a_reopened_store_creates_the_runs_row_of_a_bookkeeping_batch(tmp_path: Path) -> None:
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        store.append([ev(2)], durable=False)  # a run seen before its start: the row is made
+        assert [r.run_id for r in store.list_runs()] == ["r"]
