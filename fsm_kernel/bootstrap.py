@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
@@ -35,6 +35,7 @@ from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
@@ -199,25 +200,42 @@ def _register(registry: ToolRegistry, func: Any) -> str:
     return entry.name
 
 
-def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, list[str]]:
-    """The registry (built-ins, the workflow's own, extras) and the names to offer."""
+class BuiltTools(NamedTuple):
+    """A workflow's tools, ready for its runs."""
+
+    registry: ToolRegistry
+    """The built-ins, the workflow's own and the extras."""
+    offered: list[str]
+    """The names the model is offered."""
+    approval: frozenset[str]
+    """The names a person approves each call of (`approval: required`)."""
+
+
+def build_tools(spec: WorkflowSpec, options: RunOptions) -> BuiltTools:
+    """The registry (built-ins, the workflow's own, extras), the names to offer and the ones
+    that need a person's approval."""
     registry = builtin_registry(options.workspace or ".")
     offered: list[str] = []
+    approval: set[str] = set()
     for i, entry in enumerate(spec.tools):
-        if ":" in entry or "." in entry:
+        ref = entry.name
+        if ":" in ref or "." in ref:
             try:
-                offered += [_register(registry, f) for f in import_tools(entry)]
+                names = [_register(registry, f) for f in import_tools(ref)]
             except ConfigError as exc:
                 where = spec.location("tools", i)
                 raise WorkflowValidationError(exc.message, location=where) from None
-        elif entry in registry:
-            offered.append(entry)
+        elif ref in registry:
+            names = [ref]
         else:
             known = ", ".join(registry.names())
             raise WorkflowValidationError(
-                f"unknown tool {entry!r} (built-in: {known}; or package.module:function)",
+                f"unknown tool {ref!r} (built-in: {known}; or package.module:function)",
                 location=spec.location("tools", i),
             )
+        offered += names
+        if entry.approval == "required":
+            approval.update(names)
     offered += [_register(registry, f) for f in options.extra_tools]
     for sid, state in spec.states.items():
         for j, name in enumerate(state.tools or ()):
@@ -227,7 +245,7 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> tuple[ToolRegistry, 
                     location=spec.location("states", sid, "tools", j),
                 )
     _check_tool_choices(spec, offered)
-    return registry, offered
+    return BuiltTools(registry, offered, frozenset(approval))
 
 
 def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:
@@ -365,9 +383,11 @@ def build_kernel(
     store: EventStore | None = None,
     environ: Mapping[str, str] | None = None,
     chat_model: ChatModel | None = None,
+    human: HumanChannel | None = None,
 ) -> tuple[Kernel, ChatModel]:
     """A Kernel wired to the model (`chat_model`, else the HTTP client for the settings), the
-    tool registry, memory and `store`.
+    tool registry, memory, `store` and the channel to a person (`human`; default: runs that
+    need one suspend).
 
     A model this builds must be closed (`await model.aclose()`) after the runs.
     """
@@ -378,7 +398,7 @@ def build_kernel(
         if chat_model is not None
         else choose_model(spec, options, environ)
     )
-    registry, offered = build_tools(spec, options)
+    registry, offered, approval = build_tools(spec, options)
     system_prompt = _system_prompt(spec, options)
     model = chat_model if chat_model is not None else chat_model_for(settings, environ)
     if notice:
@@ -395,9 +415,12 @@ def build_kernel(
             **({"local": described} if described else {}),
             **({"fallback": notice} if notice else {}),
             "tools": offered,
+            **({"approval": sorted(approval)} if approval else {}),
             "workspace": str(Path(options.workspace or ".").resolve()),
         },
         tool_names=offered,
         limits=limits,
+        human=human,
+        approval_required=approval,
     )
     return kernel, model

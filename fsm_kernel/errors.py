@@ -18,7 +18,8 @@
     ├─ RunError(message, run_id)
     │  ├─ NoTransitionError  ├─ RunNotFoundError  ├─ ReplayDivergenceError
     │  └─ ResumeError
-    │     └─ RunLockedError (another process is running the run right now)
+    │     ├─ RunLockedError (another process is running the run right now)
+    │     └─ AnswerError (resume without the answer a waiting run needs, or the wrong kind)
     ├─ StoreError
     │  ├─ StoreConflictError (an event seq or a lease already taken)  └─ StoreSchemaError
     └─ ScheduleError (bad cron expression, bad scheduler config)
@@ -40,6 +41,7 @@ __all__ = [
     "AgentResponseError",
     "AgentServerError",
     "AgentTimeoutError",
+    "AnswerError",
     "ConfigError",
     "FsmKernelError",
     "MemoryStoreError",
@@ -251,6 +253,11 @@ class ResumeError(RunError):
 class RunLockedError(ResumeError):
     """Another holder (a process, or another task of this one) has the run's lock: two
     processes appending to one run would collide on its next seq."""
+
+
+class AnswerError(ResumeError):
+    """`resume` of a run that waits for a person without the answer it waits for, with the
+    wrong kind of answer, or with an answer for a run that waits for none (a usage error)."""
 
 
 class ReplayDivergenceError(RunError):

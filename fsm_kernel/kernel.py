@@ -35,6 +35,7 @@ from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, ToolCallRecord
+from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
 
@@ -63,9 +64,10 @@ class RunResult:
 
     run_id: str
     workflow: str
-    termination_reason: TerminationReason | str
+    termination_reason: TerminationReason | str | None
     """A built-in reason (a `TerminationReason`), or one the workflow declares under `reasons:`
-    (a plain string). Both compare equal to the name as written."""
+    (a plain string). Both compare equal to the name as written. None while the run waits
+    for a person (`status` "waiting"): it is not over."""
     response: str
     iterations: int
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
@@ -76,17 +78,29 @@ class RunResult:
     success_reasons: frozenset[str] = field(default=SUCCESS_REASONS, repr=False)
     """The reasons this run's workflow counts as success: `final_answer`, `done` and its own
     reasons declared with `success: true`."""
+    waiting_for: dict[str, Any] | None = None
+    """What a suspended run waits for: {"kind": "approval" | "input", "state", "tool_call"
+    (approval: id, name, arguments) or "prompt" (input)}; None once it ended."""
+
+    @property
+    def status(self) -> str:
+        """ "ended", or "waiting" for a person (resume it with the answer)."""
+        return "waiting" if self.waiting_for is not None else "ended"
 
     @property
     def ok(self) -> bool:
         """The run succeeded (the CLI exits 0): it ended for a success reason."""
-        return self.termination_reason in self.success_reasons
+        return self.termination_reason is not None and self.termination_reason in (
+            self.success_reasons
+        )
 
     def to_dict(self) -> dict[str, Any]:
+        reason = self.termination_reason
         d: dict[str, Any] = {
             "run_id": self.run_id,
             "workflow": self.workflow,
-            "termination_reason": str(self.termination_reason),
+            "status": self.status,
+            "termination_reason": None if reason is None else str(reason),
             "response": self.response,
             "iterations": self.iterations,
             "tool_calls": [r.to_dict() for r in self.tool_calls],
@@ -94,6 +108,8 @@ class RunResult:
         }
         if self.error:
             d["error"] = self.error
+        if self.waiting_for is not None:
+            d["waiting_for"] = self.waiting_for
         return d
 
 
@@ -121,6 +137,8 @@ class Kernel:
         on_event: Watcher | None = None,
         tool_names: Sequence[str] | None = None,
         limits: Limits | None = None,
+        human: HumanChannel | None = None,
+        approval_required: frozenset[str] = frozenset(),
     ) -> None:
         """Args:
         workflow: the compiled workflow (compiled once per content; limits are not part of it).
@@ -129,8 +147,12 @@ class Kernel:
         on_event: watches every run: each Event as it is recorded, and the model's TextDelta
             pieces as they stream (deltas are never stored).
         limits: the runs' limits; default the workflow's `limits:`.
+        human: how runs reach a person (approvals, `human.input`); default: they suspend.
+        approval_required: the tools a person approves each call of (`approval: required`).
         """
-        self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tools)
+        self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tool_names)
+        self.human: HumanChannel = human or SuspendingChannel()
+        self.approval_required = approval_required
         self.workflow = workflow
         self.spec = workflow.spec
         self.limits = limits or workflow.spec.limits
@@ -186,6 +208,7 @@ class Kernel:
         *,
         model: ChatModel | None = None,
         tools: ToolExecutor | None = None,
+        human: HumanChannel | None = None,
     ) -> RunContext:
         """A fresh context whose session holds the user's prompt, with this run's collaborators
         (the kernel's unless given)."""
@@ -195,6 +218,7 @@ class Kernel:
             clock=self.clock,
             record=recorder.record,
             flush=recorder.flush,
+            human=OffTheClock(human or self.human),
         )
         ctx = RunContext(
             run_id=run_id,
@@ -202,6 +226,7 @@ class Kernel:
             system_prompt=self.system_prompt,
             limits=self.limits,
             tool_names=self.tool_names,
+            approval_required=self.approval_required,
             services=services,
             session=InMemorySession(),
         )
@@ -215,9 +240,15 @@ class Kernel:
         reason: TerminationReason | str = TerminationReason.ERROR
         error, resumable = None, False
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as deadline:
+                if isinstance(ctx.services.human, OffTheClock):
+                    ctx.services.human.deadline = deadline
                 with deltas_to(recorder.stream_sink):
                     reason = await self._loop(ctx, machine, recorder)
+        except Suspended as suspended:  # not an ending: the run waits for a person
+            result = self._suspend(ctx, recorder, suspended)
+            await _until_done(recorder.flush())
+            return result
         except _Stop as stop:
             reason, error = stop.reason, stop.error
         except TimeoutError:
@@ -289,6 +320,13 @@ class Kernel:
         recorder.record(EventType.ITERATION_COMPLETED, record)
         ctx.summary = ""
 
+    def _suspend(self, ctx: RunContext, recorder: RunRecorder, suspended: Suspended) -> RunResult:
+        """Record what the run waits for; `resume` with the answer re-drives it from its log."""
+        waiting_for = suspended.question.to_dict()
+        recorder.record(EventType.RUN_SUSPENDED, {"waiting_for": waiting_for})
+        logger.info("suspended: waiting for %s in state %s", waiting_for["kind"], ctx.current_state)
+        return self._result(ctx, recorder, None, None, waiting_for=waiting_for)
+
     def _finish(
         self,
         ctx: RunContext,
@@ -315,11 +353,22 @@ class Kernel:
             data["resumable"] = True
         recorder.record(EventType.RUN_TERMINATED, data)
         logger.info("terminated: %s%s", reason, f" ({error})" if error else "")
+        return self._result(ctx, recorder, reason, error)
+
+    def _result(
+        self,
+        ctx: RunContext,
+        recorder: RunRecorder,
+        reason: TerminationReason | str | None,
+        error: str | None,
+        *,
+        waiting_for: dict[str, Any] | None = None,
+    ) -> RunResult:
         return RunResult(
             run_id=ctx.run_id,
             workflow=self.spec.name,
             termination_reason=reason,
-            response=response,
+            response=ctx.done_answer if ctx.done_answer is not None else ctx.answer,
             iterations=ctx.iteration,
             tool_calls=list(ctx.tool_calls),
             usage=ctx.usage,
@@ -327,6 +376,7 @@ class Kernel:
             messages=ctx.session.messages(),
             events=list(recorder.events),
             success_reasons=self.spec.success_reasons(),
+            waiting_for=waiting_for,
         )
 
     # -- helpers ---------------------------------------------------------------------------

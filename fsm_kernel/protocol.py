@@ -268,6 +268,8 @@ class EventType(StrEnum):
     TOOL_STARTED = "tool.started"
     TOOL_FINISHED = "tool.finished"
     ITERATION_COMPLETED = "iteration.completed"
+    HUMAN_ANSWERED = "human.answered"
+    RUN_SUSPENDED = "run.suspended"
     RUN_TERMINATED = "run.terminated"
 
 
@@ -330,7 +332,17 @@ class RunSummary:
     goal: str
     iterations: int = 0
     termination_reason: str | None = None
-    """None while the run is in flight (or was killed)."""
+    """None while the run is in flight, waits for a person, or was killed."""
+    status: str = "running"
+    """`running` (in flight, or killed), `waiting` (suspended until a person answers) or
+    `ended` (see termination_reason)."""
+
+    @property
+    def shown_status(self) -> str:
+        """What `runs list` shows: running, waiting, or the termination reason."""
+        if self.status == "ended" and self.termination_reason:
+            return self.termination_reason
+        return self.status
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -339,6 +351,7 @@ class RunSummary:
             "started_at": self.started_at.isoformat(),
             "goal": self.goal,
             "iterations": self.iterations,
+            "status": self.status,
             "termination_reason": self.termination_reason,
         }
 
@@ -388,8 +401,8 @@ class EventStore(Protocol):
         """Every event of a run in seq order; empty list for an unknown run."""
         ...
 
-    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
-        """Most recent runs first."""
+    def list_runs(self, *, limit: int = 50, waiting: bool = False) -> list[RunSummary]:
+        """Most recent runs first; only the ones waiting for a person when `waiting`."""
         ...
 
     def find_run(self, prefix: str) -> str:

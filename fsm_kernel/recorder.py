@@ -24,9 +24,16 @@ __all__ = ["RunRecorder"]
 logger = logging.getLogger(__name__)
 
 # A batch holding one of these is synced to disk: what follows it is a model call or a tool
-# call (side effects a resume must not repeat needlessly), or nothing (the run ended).
+# call (side effects a resume must not repeat needlessly), or nothing (the run ended or waits),
+# or it holds a person's answer.
 _SYNC_BEFORE = frozenset(
-    {EventType.MODEL_REQUESTED, EventType.TOOL_STARTED, EventType.RUN_TERMINATED}
+    {
+        EventType.MODEL_REQUESTED,
+        EventType.TOOL_STARTED,
+        EventType.RUN_TERMINATED,
+        EventType.HUMAN_ANSWERED,  # a person's answer is never asked for twice
+        EventType.RUN_SUSPENDED,
+    }
 )
 
 # Keys whose values must match for a recorded event to count as "the same step" during catch-up.

@@ -9,12 +9,19 @@ with the model's answers and the tools' outputs served from the event log.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_kernel.errors import AgentError, ReplayDivergenceError, ResumeError, RunNotFoundError
+from fsm_kernel.errors import (
+    AgentError,
+    AnswerError,
+    ReplayDivergenceError,
+    ResumeError,
+    RunNotFoundError,
+)
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
     LIVE_ONLY_EVENTS,
@@ -31,6 +38,7 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.compiler import CompiledWorkflow
+from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
 from fsm_kernel.workflow.spec import Limits
 
 __all__ = [
@@ -46,9 +54,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CONFIG_KEYS = ("settings", "limits", "system_prompt")
-_NOT_REPRODUCED = LIVE_ONLY_EVENTS | {EventType.RUN_STARTED, EventType.RUN_RESUMED}
-"""What a re-drive does not record again: the run's markers and the live model's failures."""
 """What `run.started` records of how the run runs, and `run.resumed` may change."""
+_NOT_REPRODUCED = LIVE_ONLY_EVENTS | {
+    EventType.RUN_STARTED,
+    EventType.RUN_RESUMED,
+    EventType.RUN_SUSPENDED,
+}
+"""What a re-drive does not record again: the run's markers (started, resumed, suspended
+until an answer: a re-drive with the answer goes past that point) and the live model's
+failures."""
 _EXTERNAL_ENDINGS = frozenset({"timeout", "cancelled"})
 """Endings decided by the clock or the user, not by the workflow: a replay (which takes no
 time) reproduces the steps recorded before them and reports the recorded ending."""
@@ -134,6 +148,10 @@ class RecordedRun:
     completions: list[Completion] = field(default_factory=list)
     results: dict[str, ToolResult] = field(default_factory=dict)
     unfinished: dict[str, int] = field(default_factory=dict)
+    answers: list[HumanAnswer] = field(default_factory=list)
+    """A person's recorded answers, in order."""
+    waiting_for: dict[str, Any] | None = None
+    """What the run waits for, when its log ends suspended (see `status`)."""
 
     @classmethod
     def load(cls, store: EventStore, run_id: str) -> RecordedRun:
@@ -150,16 +168,28 @@ class RecordedRun:
                 started[e.data["call"]["id"]] = e.seq
             elif e.type == EventType.TOOL_FINISHED and not e.data.get("malformed"):
                 run.results[e.data["call"]["id"]] = ToolResult.from_dict(e.data["result"])
+            elif e.type == EventType.HUMAN_ANSWERED:
+                run.answers.append(HumanAnswer.from_dict(e.data))
+            elif e.type == EventType.RUN_SUSPENDED:
+                run.waiting_for = dict(e.data.get("waiting_for") or {})
             elif e.type == EventType.RUN_TERMINATED:
-                run.terminated = e
+                run.terminated, run.waiting_for = e, None
             elif e.type == EventType.RUN_RESUMED:
-                run.terminated = None  # a resumable ending (agent_error) that a resume reopened
+                # a resumable ending (agent_error) or a suspension that a resume reopened
+                run.terminated, run.waiting_for = None, None
         run.unfinished = {cid: seq for cid, seq in started.items() if cid not in run.results}
         return run
 
     @property
     def goal(self) -> str:
         return str(self.started.data.get("goal", ""))
+
+    @property
+    def status(self) -> str:
+        """`waiting` (for a person), `running` (in flight, or killed) or `ended`."""
+        if self.waiting_for is not None:
+            return "waiting"
+        return "running" if self.terminated is None else "ended"
 
     @property
     def resumable(self) -> bool:
@@ -202,9 +232,11 @@ async def resume_run(
     *,
     force: bool = False,
     overrides: Mapping[str, Any] | None = None,
+    answer: HumanAnswer | None = None,
 ) -> RunResult:
-    """Continue a run from its last recorded step: one that was killed, or one that ended
-    because the model server could not be reached or kept failing (a resumable `agent_error`).
+    """Continue a run from its last recorded step: one that was killed, one that ended
+    because the model server could not be reached or kept failing (a resumable `agent_error`),
+    or one suspended until a person answers (`answer`, recorded as `human.answered`).
 
     Build `kernel` from the run's recorded settings (`RecordedRun.config`); `overrides` (what the
     caller changed, e.g. the flags given to `fsm-kernel resume`) are recorded in `run.resumed`.
@@ -213,13 +245,56 @@ async def resume_run(
         RunNotFoundError: no such run.
         RunLockedError: another process (or task) is running or resuming it.
         ResumeError: it already terminated, or its workflow file changed (unless `force`).
+        AnswerError: it waits for a person and `answer` is missing or of the wrong kind, or
+            `answer` was given for a run that waits for nobody.
     """
     with store.lock_run(store.find_run(run_id)):  # before reading: two resumes cannot both start
-        return await _resume_locked(kernel, store, run_id, force=force, overrides=overrides or {})
+        return await _resume_locked(
+            kernel, store, run_id, force=force, overrides=overrides or {}, answer=answer
+        )
+
+
+def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> None:
+    """An answer is given exactly when the run waits for one, and of the kind it waits for.
+
+    Raises:
+        AnswerError: otherwise, naming what the run waits for and how to answer.
+    """
+    waiting = run.waiting_for
+    if waiting is None:
+        if answer is not None:
+            raise AnswerError(
+                f"run {run.run_id} does not wait for a person ({run.status}); resume it "
+                f"without {answer.flag}",
+                run_id=run.run_id,
+            )
+        return
+    kind = str(waiting.get("kind"))
+    if answer is None or answer.kind != kind:
+        given = "no answer" if answer is None else answer.flag
+        raise AnswerError(
+            f"run {run.run_id} waits for {kind_text(kind)} {_question_text(waiting)}; "
+            f"{given} given",
+            run_id=run.run_id,
+        )
+
+
+def _question_text(waiting: Mapping[str, Any]) -> str:
+    call = waiting.get("tool_call")
+    if isinstance(call, Mapping):
+        arguments = json.dumps(call.get("arguments"), ensure_ascii=False, sort_keys=True)
+        return f"of {call.get('name')}({arguments}) in state {waiting.get('state')!r}"
+    return f"to {str(waiting.get('prompt') or '')!r} in state {waiting.get('state')!r}"
 
 
 async def _resume_locked(
-    kernel: Kernel, store: EventStore, run_id: str, *, force: bool, overrides: Mapping[str, Any]
+    kernel: Kernel,
+    store: EventStore,
+    run_id: str,
+    *,
+    force: bool,
+    overrides: Mapping[str, Any],
+    answer: HumanAnswer | None,
 ) -> RunResult:
     run = RecordedRun.load(store, run_id)
     if not run.resumable:
@@ -229,6 +304,7 @@ async def _resume_locked(
             "ended because the model server could not be reached, can be resumed",
             run_id=run.run_id,
         )
+    check_answer(run, answer)
     reopened, run.terminated = run.terminated, None
     recorded_hash = run.started.data.get("workflow_hash")
     new_hash = kernel.spec.content_hash
@@ -250,7 +326,9 @@ async def _resume_locked(
         "limits": kernel.limits.model_dump(),
         "system_prompt": kernel.system_prompt,
         "overrides": dict(overrides),
-        "reopened": reopened.data.get("reason") if reopened is not None else None,
+        "reopened": reopened.data.get("reason")
+        if reopened is not None
+        else ("waiting" if run.waiting_for is not None else None),
         "rerun_tool_calls": sorted(run.unfinished),
         "iteration": max((e.iteration for e in run.events), default=0),
     }
@@ -275,6 +353,7 @@ async def _resume_locked(
         recorder,
         model=RecordedChatModel(run.completions, kernel.model),
         tools=RecordedToolExecutor(run.results, kernel.tools, unfinished=run.unfinished),
+        human=AnsweringChannel(run.answers, given=answer, live=kernel.human),
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
@@ -357,12 +436,15 @@ async def replay_run(
     run = RecordedRun.load(store, run_id)
     model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
     recorded = run.config().get("limits")
+    settings = run.started.data.get("settings", {})
     kernel = Kernel(
         workflow,
         model=model,
         tools=RecordedToolExecutor(run.results),
-        tool_names=run.started.data.get("settings", {}).get("tools"),
+        tool_names=settings.get("tools"),
         limits=limits or (Limits.model_validate(recorded) if recorded else None),
+        human=AnsweringChannel(run.answers),  # then it suspends where the run did
+        approval_required=frozenset(settings.get("approval") or ()),
     )
     result = await kernel.run(run.goal, run_id=run.run_id)
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
@@ -388,7 +470,9 @@ async def replay_run(
         run.run_id,
         steps,
         recorded_reason,
-        recorded_reason if external and recorded_reason else result.termination_reason,
+        recorded_reason
+        if external and recorded_reason
+        else str(result.termination_reason or result.status),
         model.served,
         result.error,
     )

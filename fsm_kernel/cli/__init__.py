@@ -18,6 +18,7 @@ from fsm_kernel import __version__
 from fsm_kernel.cli.args import check_text_arguments
 from fsm_kernel.cli.terminal import safe_stdio
 from fsm_kernel.errors import (
+    AnswerError,
     ConfigError,
     FsmKernelError,
     MemoryStoreError,
@@ -160,7 +161,7 @@ def _call(args: argparse.Namespace) -> int:
     as_json = bool(getattr(args, "json", False))
     try:
         return handler(args)
-    except (WorkflowError, ConfigError, ScheduleError, MemoryStoreError) as exc:
+    except (WorkflowError, ConfigError, ScheduleError, MemoryStoreError, AnswerError) as exc:
         if args.debug:
             raise
         return _fail(str(exc), EXIT_USAGE, as_json=as_json)

@@ -116,8 +116,17 @@ _POSTGRES_V1 = (
     "CREATE INDEX runs_started_at ON runs (started_at DESC, run_id DESC)",
 )
 
+_RUN_STATUS = (
+    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
+    "UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL",
+    "CREATE INDEX runs_waiting ON runs (started_at DESC, run_id DESC) WHERE status = 'waiting'",
+)
+"""v2: a run's status (running, waiting for a person, ended), and the waiting runs found
+without a scan (`runs list --waiting`)."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
+    Migration(version=2, name="add_runs_status", sqlite=_RUN_STATUS, postgres=_RUN_STATUS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -229,6 +238,8 @@ class RunDelta:
     started_at: datetime | None = None
     iterations: int = 0
     termination_reason: str | None = None
+    status: str | None = None
+    """The run's status after the batch, when an event of the batch changes it."""
 
     def apply(self, event: Event) -> None:
         self.first_ts = min(self.first_ts, event.timestamp)
@@ -237,11 +248,17 @@ class RunDelta:
             self.workflow = str(event.data.get("workflow") or "")
             self.goal = str(event.data.get("goal") or "")
             self.started_at = event.timestamp
+            self.status = "running"
         elif event.type is EventType.ITERATION_COMPLETED:
             self.iterations = max(self.iterations, event.iteration)
         elif event.type is EventType.RUN_TERMINATED:
             reason = event.data.get("reason")
             self.termination_reason = None if reason is None else str(reason)
+            self.status = "ended"
+        elif event.type is EventType.RUN_SUSPENDED:
+            self.status = "waiting"
+        elif event.type is EventType.RUN_RESUMED:  # reopens an ending or a suspension
+            self.termination_reason, self.status = None, "running"
 
     def merge_into(self, summary: RunSummary | None) -> RunSummary:
         """The run's summary after this batch (used by stores that keep summaries in memory)."""
@@ -253,14 +270,19 @@ class RunDelta:
                 started_at=self.started_at or self.first_ts,
                 iterations=self.iterations,
                 termination_reason=self.termination_reason,
+                status=self.status or "running",
             )
+        reopened = self.status == "running"
         return RunSummary(
             run_id=self.run_id,
             workflow=summary.workflow if self.workflow is None else self.workflow,
             goal=summary.goal if self.goal is None else self.goal,
             started_at=summary.started_at if self.started_at is None else self.started_at,
             iterations=max(summary.iterations, self.iterations),
-            termination_reason=self.termination_reason or summary.termination_reason,
+            termination_reason=self.termination_reason
+            if reopened
+            else self.termination_reason or summary.termination_reason,
+            status=self.status or summary.status,
         )
 
 

@@ -126,6 +126,7 @@ class Statements:
     select_events: str
     next_seq: str
     select_runs: str
+    select_waiting: str
     select_prefix: str
     event_exists: str
     select_migrations: str
@@ -144,17 +145,20 @@ def _statements(d: Dialect) -> Statements:
     # events (states entered, transitions, a tool started) leaves the row, and its page,
     # alone, so `updated_at` is when the run's summary last changed.
     conflict = f"""
-INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at)
+INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at,
+                  status)
 VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
-        {n("updated_at")})
+        {n("updated_at")}, COALESCE({n("status")}, 'running'))
 ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
-    termination_reason = COALESCE({n("reason")}, runs.termination_reason),
+    termination_reason = CASE WHEN {n("reopened")} = 1 THEN {n("reason")}
+        ELSE COALESCE({n("reason")}, runs.termination_reason) END,
+    status = COALESCE({n("status")}, runs.status),
     updated_at = {d.greatest}(runs.updated_at, {n("updated_at")})"""
     insert_run = (
         f"{conflict}\nWHERE excluded.iterations > runs.iterations "
-        "OR excluded.termination_reason IS NOT NULL"
+        f"OR excluded.termination_reason IS NOT NULL OR {n('changed')} = 1"
     )
     upsert_run = (
         f"{conflict}, workflow = {n('workflow')}, goal = {n('goal')}, "
@@ -173,8 +177,13 @@ ON CONFLICT (run_id) DO UPDATE SET
         ),
         next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
         select_runs=(
-            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason "
+            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, status "
             f"FROM runs ORDER BY started_at DESC, run_id DESC LIMIT {p}"
+        ),
+        select_waiting=(
+            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, status "
+            "FROM runs WHERE status = 'waiting' "
+            f"ORDER BY started_at DESC, run_id DESC LIMIT {p}"
         ),
         select_prefix=(
             f"SELECT run_id FROM runs WHERE {d.first_chars.format(p)} = {p} "
@@ -286,12 +295,15 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
         "iterations": delta.iterations,
         "reason": delta.termination_reason,
         "updated_at": d.to_db_ts(delta.last_ts),
+        "status": delta.status,
+        "changed": int(delta.status is not None),
+        "reopened": int(delta.status == "running"),
     }
 
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     """The RunSummary of a select_runs row."""
-    run_id, workflow, goal, started_at, iterations, reason = row
+    run_id, workflow, goal, started_at, iterations, reason, status = row
     return RunSummary(
         run_id=run_id,
         workflow=workflow,
@@ -299,6 +311,7 @@ def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
         started_at=d.from_db_ts(started_at),
         iterations=int(iterations),
         termination_reason=reason,
+        status=status,
     )
 
 
@@ -497,7 +510,9 @@ class SqlEventStore:
         d = self._dialect
         cur.executemany(d.sql.insert_event, job.rows)
         for sql, delta in job.runs:
-            quiet = delta.iterations == 0 and delta.termination_reason is None
+            quiet = (
+                delta.iterations == 0 and delta.termination_reason is None and delta.status is None
+            )
             if sql is d.sql.insert_run and quiet and delta.run_id in self._known_runs:
                 continue  # the row exists and would stay as it is (see insert_run)
             cur.execute(sql, run_params(d, delta))
@@ -512,11 +527,13 @@ class SqlEventStore:
         sql = self._dialect.sql.next_seq
         return int(self._query(sql, (run_id,), what="next_seq failed")[0][0])
 
-    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
-        """The `limit` most recently started runs, newest first."""
+    def list_runs(self, *, limit: int = 50, waiting: bool = False) -> list[RunSummary]:
+        """The `limit` most recently started runs, newest first (only the ones waiting for a
+        person when `waiting`)."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
-        rows = self._query(self._dialect.sql.select_runs, (limit,), what="list_runs failed")
+        sql = self._dialect.sql.select_waiting if waiting else self._dialect.sql.select_runs
+        rows = self._query(sql, (limit,), what="list_runs failed")
         return [row_summary(self._dialect, row) for row in rows]
 
     def find_run(self, prefix: str) -> str:

@@ -184,13 +184,17 @@ class JsonlEventStore:
             seqs = self._events.get(run_id)
             return max(seqs) + 1 if seqs else 1
 
-    def list_runs(self, *, limit: int = 50) -> list[RunSummary]:
-        """The `limit` most recently started runs, newest first."""
+    def list_runs(self, *, limit: int = 50, waiting: bool = False) -> list[RunSummary]:
+        """The `limit` most recently started runs, newest first (only the ones waiting for a
+        person when `waiting`)."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
-            runs = sorted(self._runs.values(), key=lambda r: (r.started_at, r.run_id))
+            runs = sorted(
+                (r for r in self._runs.values() if r.status == "waiting" or not waiting),
+                key=lambda r: (r.started_at, r.run_id),
+            )
         return runs[::-1][:limit]
 
     def find_run(self, prefix: str) -> str:

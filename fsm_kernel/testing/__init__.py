@@ -32,6 +32,7 @@ from fsm_kernel.testing._models import (
     FunctionChatModel,
     ModelRequest,
     ScriptedChatModel,
+    ScriptedHuman,
     ScriptExhaustedError,
     ScriptItem,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "ScriptExhaustedError",
     "ScriptItem",
     "ScriptedChatModel",
+    "ScriptedHuman",
     "TransitionCoverage",
     "WorkflowHarness",
     "as_completion",

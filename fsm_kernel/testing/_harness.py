@@ -22,6 +22,7 @@ from fsm_kernel.testing._models import FunctionChatModel, ScriptedChatModel
 from fsm_kernel.testing._replies import ReplyLike, as_completion, tool_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, compile_workflow
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
@@ -113,7 +114,7 @@ class WorkflowHarness:
         reply = values.pop("last_reply", _MISSING)
         results = values.pop("tool_results", None)
         values["limits"] = self._limits(values.get("limits"))
-        values.setdefault("tool_names", tuple(self.spec.tools))
+        values.setdefault("tool_names", tuple(self.spec.tool_names))
         ctx = RunContext(**values)
         if reply is not _MISSING:
             _set_reply(ctx, reply, keep_answer="answer" in values)
@@ -169,6 +170,7 @@ class WorkflowHarness:
         limits: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
         store: EventStore | None = None,
+        human: HumanChannel | None = None,
     ) -> RunResult:
         """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
 
@@ -181,6 +183,8 @@ class WorkflowHarness:
             limits: overrides of the workflow's limits, e.g. {"max_iterations": 2}.
             system_prompt: instead of the workflow's (memory files are never loaded here).
             store: an EventStore to record into (default: none; events are in the result).
+            human: answers a person would give (e.g. `ScriptedHuman([HumanAnswer.approve()])`);
+                default: a run that asks suspends (its result's `status` is "waiting").
 
         Raises:
             AssertionError: a ScriptedChatModel ran out of replies during the run
@@ -195,6 +199,7 @@ class WorkflowHarness:
                 limits=limits,
                 system_prompt=system_prompt,
                 store=store,
+                human=human,
             )
         )
 
@@ -208,11 +213,12 @@ class WorkflowHarness:
         limits: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
         store: EventStore | None = None,
+        human: HumanChannel | None = None,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
         spec = self.spec
         with _workspace(workspace) as root:
-            registry, offered = _build_tools(spec, tools, root)
+            registry, offered, approval = _build_tools(spec, tools, root)
             kernel = Kernel(
                 compile_workflow(spec),
                 model=model,
@@ -221,6 +227,8 @@ class WorkflowHarness:
                 system_prompt=spec.system_prompt if system_prompt is None else system_prompt,
                 tool_names=offered,
                 limits=self._limits(limits),
+                human=human,
+                approval_required=approval,
             )
             result = await kernel.run(prompt)
         for event in result.events:
@@ -262,9 +270,10 @@ def _workspace(given: str | Path | None) -> Iterator[Path]:
 
 def _build_tools(
     spec: WorkflowSpec, tools: ToolExecutor | Iterable[Callable[..., Any]] | None, root: Path
-) -> tuple[ToolExecutor, list[str]]:
+) -> tuple[ToolExecutor, list[str], frozenset[str]]:
     if isinstance(tools, ToolExecutor):
-        return tools, [t.name for t in tools.list_tools()]
+        names = [t.name for t in tools.list_tools()]
+        return tools, names, frozenset(t.name for t in spec.tools if t.approval == "required")
     options = RunOptions(workspace=str(root), extra_tools=list(tools or ()))
     return build_tools(spec, options)
 

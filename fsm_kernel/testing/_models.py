@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fsm_kernel.protocol import Completion, Message, Tool
 from fsm_kernel.testing._replies import ReplyLike, as_completion
+from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
 __all__ = [
     "FunctionChatModel",
@@ -20,6 +21,7 @@ __all__ = [
     "ScriptExhaustedError",
     "ScriptItem",
     "ScriptedChatModel",
+    "ScriptedHuman",
 ]
 
 logger = logging.getLogger(__name__)
@@ -149,3 +151,18 @@ class FunctionChatModel:
             self.failure = self.failure or exc
             raise
         return as_completion(result)
+
+
+class ScriptedHuman:
+    """A person who answers from a script, in order, and records each question asked; once
+    the script is used up, the run suspends (as with nobody to ask)."""
+
+    def __init__(self, answers: Iterable[HumanAnswer]) -> None:
+        self._answers = deque(answers)
+        self.questions: list[Question] = []
+
+    async def ask(self, question: Question) -> HumanAnswer:
+        self.questions.append(question)
+        if not self._answers:
+            raise Suspended(question)
+        return self._answers.popleft()

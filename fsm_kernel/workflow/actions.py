@@ -23,6 +23,7 @@ from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
 from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded
 
 __all__ = [
@@ -210,6 +211,26 @@ def _add_tool_result(
 
 _NOT_RUN = "TooManyToolCalls"
 """error_type of a call refused for limits.max_tool_calls_per_reply."""
+_REJECTED = "Rejected"
+"""error_type of a call a person did not approve."""
+
+
+async def ask(ctx: RunContext, question: Question) -> HumanAnswer:
+    """Ask a person through the run's channel and record the answer (`human.answered`); the
+    channel may suspend the run instead (it raises `Suspended`)."""
+    answer = await ctx.services.human.ask(question)
+    data = {**answer.to_dict(), "state": question.state}
+    if question.tool_call is not None:
+        data["tool_call_id"] = question.tool_call.id
+    ctx.record(EventType.HUMAN_ANSWERED, data)
+    await ctx.flush()  # durable at once: a person is never asked the same thing twice
+    ctx.answers.append(answer)
+    return answer
+
+
+def _rejected(answer: HumanAnswer) -> ToolResult:
+    why = answer.text.strip() or "no reason given"
+    return ToolResult(content=f"rejected by the user: {why}", is_error=True, error_type=_REJECTED)
 
 
 async def tools_execute(ctx: RunContext) -> None:
@@ -217,9 +238,17 @@ async def tools_execute(ctx: RunContext) -> None:
     if ctx.tools is None or ctx.last_completion is None:
         return
     ctx.last_results = []
+    ctx.answers = []
     calls = ctx.last_completion.message.tool_calls
     cap = ctx.limits.max_tool_calls_per_reply
     for call in calls[:cap]:
+        if call.name in ctx.approval_required:
+            answer = await ask(
+                ctx, Question(kind="approval", state=ctx.current_state, tool_call=call)
+            )
+            if not answer.approved:  # back to the model as the call's result
+                _add_tool_result(ctx, call, _rejected(answer), duration_ms=0.0, malformed=False)
+                continue
         ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
         await ctx.flush()  # a crash during the call must leave "started, no result" in the log
         started = ctx.clock.monotonic()
@@ -241,8 +270,8 @@ def update_tool_counters(ctx: RunContext) -> None:
     """Failure streak, repeated calls, done and fatal flags from the last results."""
     for record in ctx.last_results:
         call, result = record.call, record.result
-        if result.error_type == _NOT_RUN:
-            continue  # refused for the per-reply cap: the tool itself did not fail
+        if result.error_type in (_NOT_RUN, _REJECTED):
+            continue  # refused (per-reply cap, a person's no): the tool itself did not fail
         ctx.failure_streak = ctx.failure_streak + 1 if result.is_error else 0
         key = json.dumps([call.name, call.arguments], sort_keys=True)
         ctx.repeat_count = ctx.repeat_count + 1 if key == ctx.last_call_key else 1
@@ -266,11 +295,24 @@ async def kernel_evaluate(ctx: RunContext) -> None:
     )
 
 
+async def human_input(ctx: RunContext) -> None:
+    """Ask a person the state's `prompt:`; the answer joins the conversation as a user message."""
+    ctx.answers = []
+    question = Question(
+        kind="input", state=ctx.current_state, prompt=ctx.state_spec.prompt or "Your input?"
+    )
+    answer = await ask(ctx, question)
+    message = Message.user(answer.text)
+    ctx.session.add(message)
+    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+
+
 BUILTIN_ACTIONS: dict[str, ActionDef] = {
     "session.observe": ActionDef("session.observe", session_observe),
     "agent.think": ActionDef("agent.think", agent_think, calls_model=True),
     "tools.execute": ActionDef("tools.execute", tools_execute),
     "kernel.evaluate": ActionDef("kernel.evaluate", kernel_evaluate),
+    "human.input": ActionDef("human.input", human_input),
 }
 
 
@@ -304,6 +346,17 @@ def is_truncated(ctx: RunContext) -> bool:
     return c is not None and c.finish_reason == "length" and not c.message.tool_calls
 
 
+def approved(ctx: RunContext) -> bool:
+    """A person was asked in the last step that asked, and approved every call they saw."""
+    asked = [a for a in ctx.answers if a.kind == "approval"]
+    return bool(asked) and all(a.approved for a in asked)
+
+
+def rejected(ctx: RunContext) -> bool:
+    """A person rejected a tool call in the last step that asked."""
+    return any(a.kind == "approval" and not a.approved for a in ctx.answers)
+
+
 BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "has_tool_calls": has_tool_calls,
     "has_answer": has_answer,
@@ -320,6 +373,8 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "tool_failed": lambda ctx: any(r.result.is_error for r in ctx.last_results),
     "critique_passed": critique_passed,
     "truncated": is_truncated,
+    "approved": approved,
+    "rejected": rejected,
 }
 
 

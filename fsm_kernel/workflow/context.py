@@ -25,6 +25,7 @@ from fsm_kernel.protocol import (
     Usage,
 )
 from fsm_kernel.session import InMemorySession, Session
+from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, SuspendingChannel
 from fsm_kernel.workflow.spec import Limits, StateSpec
 
 __all__ = ["KernelNotes", "Recorder", "RunContext", "RunServices", "ToolCallRecord"]
@@ -75,6 +76,8 @@ class RunServices:
     """Appends an event to the run's log (the kernel wires this; a no-op in unit tests)."""
     flush: Callable[[], Awaitable[None]] = _no_flush
     """Makes the events recorded so far durable (before a side effect, e.g. a tool call)."""
+    human: HumanChannel = field(default_factory=SuspendingChannel)
+    """How the run reaches a person (tool approval, `human.input`): by default it suspends."""
 
 
 @dataclass(kw_only=True)
@@ -99,6 +102,8 @@ class RunContext:
     limits: Limits = field(default_factory=Limits)
     tool_names: Sequence[str] = ()
     """The tools the workflow offers (a state's `tools:` may narrow it)."""
+    approval_required: frozenset[str] = frozenset()
+    """The tools whose every call a person approves first (`approval: required`)."""
     services: RunServices = field(default_factory=RunServices)
 
     # -- the run's state --
@@ -129,6 +134,9 @@ class RunContext:
     usage: Usage = field(default_factory=Usage)
     summary: str = ""
     """A one-line state summary written by the evaluate step, kept in the iteration record."""
+    answers: list[HumanAnswer] = field(default_factory=list)
+    """What a person answered in the last step that asked (approvals of its tool calls, or
+    the text of a `human.input` state); the guards `approved` and `rejected` read them."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Free space for users' own actions and guards (the kernel never writes here)."""
     notes: KernelNotes = field(default_factory=KernelNotes, repr=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
@@ -17,6 +17,7 @@ __all__ = [
     "SUCCESS_REASONS",
     "TERMINATION_REASONS",
     "AgentBlock",
+    "ToolEntry",
     "Limits",
     "ReasonSpec",
     "SourceLocation",
@@ -121,6 +122,41 @@ _TOOL_CHOICE_HELP = (
     "how the model may use the offered tools: auto (it decides), none, required, omit (send no "
     "tool_choice, for servers that reject it), or the name of the one tool it must call."
 )
+
+
+class ToolEntry(_Model):
+    """A tool of the workflow with its settings (a bare name in `tools:` is one with none)."""
+
+    name: str = Field(description="Built-in tool name or package.module:function")
+    approval: Literal["required", "never"] = Field(
+        default="never",
+        description="required: a person approves each call before it runs (interactively, or "
+        "the run suspends until `fsm-kernel resume --approve/--reject`)",
+    )
+
+
+def _tool_entries(value: Any) -> Any:
+    return [{"name": v} if isinstance(v, str) else v for v in _as_list(value)]
+
+
+ToolList = Annotated[
+    list[ToolEntry],
+    BeforeValidator(_tool_entries),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "anyOf": [{"type": "string"}, ToolEntry.model_json_schema()],
+                    },
+                },
+            ]
+        }
+    ),
+]
+"""`tools:` entries: names, or mappings `{name: x, approval: required}`."""
 
 
 class AgentBlock(_Model):
@@ -269,8 +305,10 @@ class WorkflowSpec(_Model):
     memory: str | None = Field(
         default=None, description="Folder of *.md files appended to the system prompt"
     )
-    tools: NameList = Field(
-        default_factory=list, description="Built-in tool names or package.module:function"
+    tools: ToolList = Field(
+        default_factory=list,
+        description="Built-in tool names or package.module:function, or mappings "
+        "{name: ..., approval: required} for tools a person must approve before each call",
     )
     limits: Limits = Field(default_factory=Limits)
     reasons: dict[str, ReasonSpec] = Field(
@@ -320,6 +358,11 @@ class WorkflowSpec(_Model):
     def success_reasons(self) -> frozenset[str]:
         """Every reason a run of this workflow succeeds for."""
         return SUCCESS_REASONS | {name for name in self.reasons if self.is_success(name)}
+
+    @property
+    def tool_names(self) -> list[str]:
+        """The names (or references) in `tools:`, in order."""
+        return [t.name for t in self.tools]
 
     def final_states(self) -> list[str]:
         return [sid for sid, s in self.states.items() if s.final]

@@ -35,6 +35,7 @@ DEFAULT = REPO / "workflows" / "default.yaml"
 RESULT_KEYS = {
     "run_id",
     "workflow",
+    "status",
     "termination_reason",
     "response",
     "iterations",

@@ -121,7 +121,7 @@ def test_a_raising_custom_action_ends_the_run_as_error(monkeypatch: pytest.Monke
 def test_the_example_needs_its_package_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLE))
     spec = load_workflow(EXAMPLE / "workflow.yaml")
-    _, offered = build_tools(spec, RunOptions())
+    offered = build_tools(spec, RunOptions()).offered
     assert offered == ["lookup_ticket"]
     monkeypatch.delitem(sys.modules, "ticket_agent", raising=False)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(EXAMPLE)])

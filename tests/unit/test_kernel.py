@@ -909,6 +909,7 @@ def test_result_to_dict_is_json(tmp_path: Path) -> None:
     assert set(d) == {
         "run_id",
         "workflow",
+        "status",
         "termination_reason",
         "response",
         "iterations",

@@ -176,6 +176,8 @@ def test_event_types_are_a_stored_schema() -> None:
         "tool.started",
         "tool.finished",
         "iteration.completed",
+        "human.answered",
+        "run.suspended",
         "run.terminated",
     ]
 
@@ -188,6 +190,7 @@ def test_run_summary_to_dict() -> None:
         "run_id": "r",
         "workflow": "default",
         "started_at": "2025-01-02T03:04:05+00:00",
+        "status": "running",
         "goal": "g",
         "iterations": 2,
         "termination_reason": None,

@@ -174,7 +174,7 @@ def test_context_shortcuts() -> None:
     assert ctx.last_results[0].iteration == 3
     assert ctx.limits.max_iterations == 4
     assert ctx.limits.max_tool_failures == harness.spec.limits.max_tool_failures
-    assert list(ctx.tool_names) == harness.spec.tools
+    assert list(ctx.tool_names) == harness.spec.tool_names
 
 
 def test_context_keeps_explicit_fields() -> None:

@@ -483,7 +483,7 @@ def test_default_workflow_loads() -> None:
     assert spec.initial == "observe"
     assert list(spec.states) == ["observe", "think", "act", "evaluate", "terminate"]
     assert spec.final_states() == ["terminate"]
-    assert spec.tools == ["datetime", "read_file", "list_directory", "done"]
+    assert spec.tool_names == ["datetime", "read_file", "list_directory", "done"]
     assert spec.limits.max_iterations == 10
     assert spec.limits.max_malformed_outputs == 3
     assert len(spec.transitions) == 12

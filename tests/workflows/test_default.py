@@ -114,5 +114,5 @@ def test_stock_workflow_validates_with_its_tools(path: Path) -> None:
     spec = load_workflow(path)
     assert spec.description.strip()
     assert "\n" not in spec.description
-    _, offered = build_tools(spec, RunOptions())  # what `fsm-kernel validate` checks
-    assert offered == list(spec.tools)
+    offered = build_tools(spec, RunOptions()).offered  # what `fsm-kernel validate` checks
+    assert offered == spec.tool_names
