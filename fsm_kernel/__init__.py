@@ -19,11 +19,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Agent",
     "AgentError",
+    "AnswerError",
     "ChatModel",
     "ConfigError",
     "EventStore",
     "FsmKernelError",
+    "HumanAnswer",
+    "HumanChannel",
     "IterationCompleted",
+    "Question",
     "ReplayReport",
     "ResumeError",
     "RunEnded",
@@ -72,9 +76,13 @@ _HOME = {
     "WorkflowSpec": "fsm_kernel.workflow.spec",
     "load_workflow": "fsm_kernel.workflow.loader",
     "tool": "fsm_kernel.tools",
+    "HumanAnswer": "fsm_kernel.workflow.human",
+    "HumanChannel": "fsm_kernel.workflow.human",
+    "Question": "fsm_kernel.workflow.human",
     **dict.fromkeys(
         (
             "AgentError",
+            "AnswerError",
             "ConfigError",
             "FsmKernelError",
             "ResumeError",
@@ -119,6 +127,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from fsm_kernel.errors import (
         AgentError,
+        AnswerError,
         ConfigError,
         FsmKernelError,
         ResumeError,
@@ -135,5 +144,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm_kernel.replay import ReplayReport
     from fsm_kernel.streaming import TextDelta
     from fsm_kernel.tools import tool
+    from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, Question
     from fsm_kernel.workflow.loader import load_workflow
     from fsm_kernel.workflow.spec import TerminationReason, WorkflowSpec

@@ -24,8 +24,9 @@ from fsm_kernel.bootstrap import RunOptions, build_kernel, load_spec, recorded_o
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
 from fsm_kernel.protocol import ChatModel, Event, EventStore, EventType, ToolCall, ToolResult
-from fsm_kernel.replay import RecordedRun, ReplayReport, replay_run, resume_run
+from fsm_kernel.replay import RecordedRun, ReplayReport, check_answer, replay_run, resume_run
 from fsm_kernel.streaming import TextDelta
+from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
 from fsm_kernel.workflow.spec import WorkflowSpec
 
 __all__ = [
@@ -151,6 +152,9 @@ class Agent:
         tools: extra tool functions to offer, besides the workflow's.
         chat_model: a ChatModel to use instead of the HTTP client (a test double, your own).
         on_event: sees every run's events and streamed text as they happen.
+        human: how runs reach a person (tool approval, `human.input` states): a HumanChannel
+            whose `ask(question)` returns a HumanAnswer; None (the default) suspends such runs
+            (`result.status == "waiting"`) until `resume(run_id, answer=...)`.
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class Agent:
         chat_model: ChatModel | None = None,
         stream: bool | None = None,
         on_event: Watcher | None = None,
+        human: HumanChannel | None = None,
     ) -> None:
         self.spec = workflow if isinstance(workflow, WorkflowSpec) else load_spec(str(workflow))
         self.options = RunOptions(
@@ -192,6 +197,7 @@ class Agent:
         )
         self._chat_model = chat_model
         self._on_event = on_event
+        self._human = human
         self._owned = _Owned()
         self.store = self._open_store(store)
         self.kernel = self._kernel(self.options)
@@ -264,20 +270,33 @@ class Agent:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def resume(self, run_id: str, *, force: bool = False, **overrides: Any) -> RunResult:
-        """Continue a run recorded in the agent's store (killed, or ended by a model server
-        that could not be reached) with the settings it recorded; `overrides` (the keyword
-        arguments of Agent, e.g. `base_url=`) replace some and are recorded.
+    async def resume(
+        self,
+        run_id: str,
+        *,
+        force: bool = False,
+        answer: HumanAnswer | None = None,
+        **overrides: Any,
+    ) -> RunResult:
+        """Continue a run recorded in the agent's store (killed, ended by a model server that
+        could not be reached, or waiting for a person) with the settings it recorded;
+        `overrides` (the keyword arguments of Agent, e.g. `base_url=`) replace some and are
+        recorded. A run that waits for a person needs `answer` (`HumanAnswer.approve()`,
+        `.reject("why")` or `.input("text")`, of the kind `result.waiting_for` names).
 
         Raises:
             ConfigError: the agent has no store, or an unknown override.
+            AnswerError: a waiting run without its answer, or the wrong kind of answer.
             RunNotFoundError, ResumeError, RunLockedError: see `fsm_kernel.replay.resume_run`.
         """
         store = self._require_store("resume")
         run = RecordedRun.load(store, run_id)
+        check_answer(run, answer)  # before building anything
         given = _options(overrides)
         kernel = self._kernel(given.over(recorded_options(run.config())))
-        return await resume_run(kernel, store, run.run_id, force=force, overrides=given.given())
+        return await resume_run(
+            kernel, store, run.run_id, force=force, overrides=given.given(), answer=answer
+        )
 
     async def replay(self, run_id: str) -> ReplayReport:
         """Re-run a recorded run from its log (no model, no tools) and compare its steps."""
@@ -297,7 +316,7 @@ class Agent:
 
     def _kernel(self, options: RunOptions) -> Kernel:
         kernel, model = build_kernel(
-            self.spec, options, store=self.store, chat_model=self._chat_model
+            self.spec, options, store=self.store, chat_model=self._chat_model, human=self._human
         )
         kernel.on_event = self._on_event
         if model is not self._chat_model and hasattr(model, "aclose"):

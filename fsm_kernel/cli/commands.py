@@ -23,7 +23,7 @@ from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import EventStore
 from fsm_kernel.workflow.spec import WorkflowSpec
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
 
 def register(sub: Any) -> None:
@@ -70,8 +70,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
         "--request-timeout",
         type=seconds,
         metavar="SECONDS",
-        help="deadline for one model answer, the whole response included (default 120; "
-        "0 = none)",
+        help="deadline for one model answer, the whole response included (default 120; 0 = none)",
     )
     g.add_argument(
         "--max-retries",
@@ -131,7 +130,11 @@ def _add_run(sub: Any) -> None:
         help="run a workflow on a prompt",
         description="Run WORKFLOW (a file, or a stock name such as 'default' or 'react') on "
         "the prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
-        "answer, the tool calls and the termination reason to stdout.",
+        "answer, the tool calls and the termination reason to stdout. Exit 0 when the run "
+        "succeeded, 1 when it ended otherwise, 2 for bad input, 3 when it waits for a person "
+        "(a tool that needs approval, a human.input state) and nobody could be asked here "
+        "(--json, or no terminal on stdin): answer with 'fsm-kernel resume RUN_ID --approve | "
+        "--reject WHY | --input TEXT'.",
     )
     p.add_argument("workflow", metavar="WORKFLOW")
     p.add_argument(
@@ -205,8 +208,12 @@ def agent_options(options: RunOptions) -> dict[str, Any]:
 def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResult]]) -> int:
     """Build the Agent from the flags (the same public API Python code uses), run
     `start(agent)` under Ctrl-C handling, print, exit code."""
+    from fsm_kernel.cli.human import TerminalChannel, interactive
+
     spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
     watch = None if args.json else output.progress_printer(sys.stderr)
+    by = getattr(args, "by", None)
+    human = TerminalChannel(by=by) if interactive(args.json) else None
 
     async def go() -> RunResult:
         agent = Agent(
@@ -214,12 +221,15 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
             **agent_options(options_from_args(args)),
             store=args.store or default_store_location(),
             on_event=watch,
+            human=human,
         )
         async with agent:
             return await run_cancellable(start(agent))
 
     result = asyncio.run(go())
     output.print_result(result, as_json=args.json)
+    if result.status == "waiting":
+        return EXIT_WAITING
     return EXIT_OK if result.ok else EXIT_FAIL
 
 

@@ -75,6 +75,9 @@ def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = No
     if as_json:
         print(json.dumps(result.to_dict(), ensure_ascii=False), file=out)
         return
+    if result.waiting_for is not None:
+        _print_waiting(result, out)
+        return
     if result.response:
         print(result.response, file=out)
     if result.tool_calls:
@@ -91,4 +94,22 @@ def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = No
     print(f"termination: {result.termination_reason}", file=out)
     if result.error:
         print(f"error: {result.error}", file=out)
+    print(f"run id: {result.run_id}", file=out)
+
+
+def _print_waiting(result: RunResult, out: TextIO) -> None:
+    """A suspended run: what it waits for and the command that answers."""
+    waiting = result.waiting_for or {}
+    call = waiting.get("tool_call")
+    resume = f"fsm-kernel resume {result.run_id}"
+    if waiting.get("kind") == "approval" and isinstance(call, dict):
+        what = f"approval of {call.get('name')}({cut(_args(call.get('arguments')), 200)})"
+        how = f"{resume} --approve   (or --reject WHY)"
+    else:
+        what = f"input: {cut(str(waiting.get('prompt') or ''), 200)}"
+        how = f"{resume} --input TEXT"
+    print(f"waiting for {what} in state {waiting.get('state')}", file=out)
+    print(f"answer with: {how}", file=out)
+    print(f"\niterations: {result.iterations}", file=out)
+    print("status: waiting", file=out)
     print(f"run id: {result.run_id}", file=out)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
 from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.workflow.human import HumanAnswer
 
 if TYPE_CHECKING:
     from fsm_kernel.replay import RecordedRun
@@ -32,7 +33,18 @@ def register(sub: Any) -> None:
 
     runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
-    p = rsub.add_parser("list", help="recent runs: id, workflow, start, iterations, reason, goal")
+    p = rsub.add_parser(
+        "list",
+        help="recent runs: id, workflow, start, iterations, status, goal",
+        description="Recent runs, newest first. STATUS is running (in flight, or killed: "
+        "resume it), waiting (for a person: resume it with the answer), or the reason the "
+        "run ended.",
+    )
+    p.add_argument(
+        "--waiting",
+        action="store_true",
+        help="only the runs that wait for a person (approval or input)",
+    )
     p.add_argument(
         "--limit",
         type=count(1, 1_000_000),
@@ -61,14 +73,33 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "resume",
-        help="continue a run that was killed or lost its model server",
+        help="continue a run that was killed, lost its model server, or waits for a person",
         description="Rebuild a run from its events and continue it live from the last "
         "recorded step, with the server, model, timeouts, workspace and limits the run "
-        "recorded (a flag given here overrides one and is recorded). A run that ended "
-        "agent_error because the server could not be reached or kept failing can be resumed "
-        "too. Refused when the workflow file changed, unless --force.",
+        "recorded (a flag given here overrides one and is recorded); the model is not asked "
+        "again for the steps recorded. A run that ended agent_error because the server could "
+        "not be reached or kept failing can be resumed too. A run that waits for a person "
+        "(status waiting) needs its answer: --approve or --reject WHY for a tool call, "
+        "--input TEXT for a question; each answer is recorded with the time and --by. "
+        "Refused when the workflow file changed, unless --force. Exit codes as for run.",
     )
     p.add_argument("run_id", metavar="RUN_ID")
+    g = p.add_argument_group("answer a run that waits for a person")
+    answers = g.add_mutually_exclusive_group()
+    answers.add_argument(
+        "--approve", action="store_true", help="approve the tool call the run waits on"
+    )
+    answers.add_argument(
+        "--reject",
+        metavar="WHY",
+        help="reject it; the model gets 'rejected by the user: WHY' as the call's result",
+    )
+    answers.add_argument("--input", metavar="TEXT", help="the text a human.input state asks for")
+    g.add_argument(
+        "--by",
+        metavar="NAME",
+        help="who answers, recorded with the answer (default: the USER environment variable)",
+    )
     p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
     p.add_argument(
         "--force",
@@ -100,21 +131,24 @@ def _open(args: argparse.Namespace) -> Any:
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     with _open(args) as store:
-        runs = store.list_runs(limit=args.limit + 1)  # one more tells whether there are more
+        # one more tells whether there are more
+        runs = store.list_runs(limit=args.limit + 1, waiting=args.waiting)
     more = len(runs) > args.limit
     runs = runs[: args.limit]
     if args.json:
         print(json.dumps([r.to_dict() for r in runs], ensure_ascii=False))
         return EXIT_OK
     if not runs:
-        print("no runs recorded yet", file=sys.stderr)
+        print(
+            "no run waits for a person" if args.waiting else "no runs recorded yet", file=sys.stderr
+        )
         return EXIT_OK
-    print(f"{'RUN ID':36}  {'WORKFLOW':12}  {'STARTED':19}  {'ITER':>4}  {'REASON':16}  GOAL")
+    print(f"{'RUN ID':36}  {'WORKFLOW':12}  {'STARTED':19}  {'ITER':>4}  {'STATUS':16}  GOAL")
     for r in runs:
         print(
             f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
             f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
-            f"{r.termination_reason or '(running)':16}  {cut(r.goal, 50)}"
+            f"{r.shown_status:16}  {cut(r.goal, 50)}"
         )
     if more:
         print(
@@ -127,22 +161,29 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
 def _audit(events: list[Event]) -> dict[str, Any]:
     started = events[0].data if events else {}
     terminated: Event | None = None
+    waiting: dict[str, Any] | None = None
     for e in events:  # the last ending; one that a resume reopened does not count
         if e.type == EventType.RUN_TERMINATED:
-            terminated = e
+            terminated, waiting = e, None
+        elif e.type == EventType.RUN_SUSPENDED:
+            waiting = dict(e.data.get("waiting_for") or {})
         elif e.type == EventType.RUN_RESUMED:
-            terminated = None
+            terminated, waiting = None, None
     last = next((e for e in reversed(events) if e.type == EventType.TRANSITION_TAKEN), None)
     return {
         "workflow": started.get("workflow"),
         "workflow_path": started.get("workflow_path"),
         "goal": started.get("goal"),
+        "status": "ended" if terminated else ("waiting" if waiting else "running"),
+        "waiting_for": waiting,
+        "answers": [e.data for e in events if e.type == EventType.HUMAN_ANSWERED],
         "reason": terminated.data.get("reason") if terminated else None,
         "answer": terminated.data.get("answer") if terminated else None,
         "error": terminated.data.get("error") if terminated else None,
         "last_transition": last.data if last else None,
         "resumed": sum(1 for e in events if e.type == EventType.RUN_RESUMED),
-        "resumable": terminated is None or bool(terminated.data.get("resumable")),
+        "resumable": (terminated is None and waiting is None)
+        or bool(terminated and terminated.data.get("resumable")),
         "model": _model_line(started.get("settings") or {}),
         "events": len(events),
     }
@@ -182,8 +223,21 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     print(f"{'STEP':>4}  {'DECISION':10}  {'TOOL':16}  {'INPUT':30}  {'OUTPUT':40}  ERROR")
     for it in iterations:
         _print_iteration(it)
+    _print_audit(run_id, audit)
+    return EXIT_OK
+
+
+def _print_audit(run_id: str, audit: dict[str, Any]) -> None:
     print("\ntermination audit:")
-    print(f"  reason:          {audit['reason'] or '(not terminated: resume it)'}")
+    if audit["waiting_for"] is not None:
+        print(f"  status:          waiting for a person: {_waiting_line(audit['waiting_for'])}")
+        print(
+            f"  answer with:     fsm-kernel resume {run_id} {_answer_flags(audit['waiting_for'])}"
+        )
+    else:
+        print(f"  reason:          {audit['reason'] or '(not terminated: resume it)'}")
+    for answered in audit["answers"]:
+        print(f"  answered:        {_answered_line(answered)}")
     if audit["last_transition"]:
         t = audit["last_transition"]
         guard = f" [{t.get('guard')}]" if t.get("guard") else ""
@@ -197,7 +251,28 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     if audit["resumable"]:
         why = "it did not end" if audit["reason"] is None else "the model server failed"
         print(f"  resumable:       yes ({why}): fsm-kernel resume {run_id}")
-    return EXIT_OK
+
+
+def _waiting_line(waiting: dict[str, Any]) -> str:
+    call = waiting.get("tool_call")
+    if waiting.get("kind") == "approval" and isinstance(call, dict):
+        arguments = json.dumps(call.get("arguments"), ensure_ascii=False, sort_keys=True)
+        return f"approval of {call.get('name')}({cut(arguments, 80)}) in {waiting.get('state')}"
+    return f"input {cut(str(waiting.get('prompt') or ''), 80)!r} in {waiting.get('state')}"
+
+
+def _answer_flags(waiting: dict[str, Any]) -> str:
+    return "--approve | --reject WHY" if waiting.get("kind") == "approval" else "--input TEXT"
+
+
+def _answered_line(data: dict[str, Any]) -> str:
+    if data.get("kind") == "input":
+        what = f"input {cut(str(data.get('text') or ''), 60)!r}"
+    elif data.get("approved"):
+        what = "approved"
+    else:
+        what = f"rejected ({cut(str(data.get('reason') or ''), 60)})"
+    return f"{what} by {data.get('by')} in {data.get('state')}"
 
 
 def _print_iteration(it: dict[str, Any]) -> None:
@@ -256,16 +331,29 @@ def _recorded_workflow(run: RecordedRun, override: str | None) -> str:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from fsm_kernel.cli import commands
-    from fsm_kernel.replay import RecordedRun
+    from fsm_kernel.replay import RecordedRun, check_answer
 
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
     args.workflow = _recorded_workflow(run, args.workflow)
     # The run's recorded settings by default; the flags given here override and are recorded.
     overrides = commands.agent_options(commands.options_from_args(args))
+    answer = _answer(args)
+    check_answer(run, answer)  # a one-line usage error before anything is built
     return commands.execute(
-        args, lambda agent: agent.resume(run.run_id, force=args.force, **overrides)
+        args,
+        lambda agent: agent.resume(run.run_id, force=args.force, answer=answer, **overrides),
     )
+
+
+def _answer(args: argparse.Namespace) -> HumanAnswer | None:
+    if args.approve:
+        return HumanAnswer.approve(by=args.by)
+    if args.reject is not None:
+        return HumanAnswer.reject(args.reject, by=args.by)
+    if args.input is not None:
+        return HumanAnswer.input(args.input, by=args.by)
+    return None
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

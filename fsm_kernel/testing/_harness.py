@@ -98,7 +98,8 @@ class WorkflowHarness:
           (name, output[, is_error]) or ToolCallRecord;
         * `limits={"max_iterations": 2}` (overrides of the workflow's limits) or a Limits;
         * any RunContext field: `iteration=`, `failure_streak=`, `malformed_streak=`,
-          `repeat_count=`, `done_answer=`, `fatal_error=`, `malformed_reason=`, `scratch=`...
+          `repeat_count=`, `done_answer=`, `fatal_error=`, `malformed_reason=`, `scratch=`,
+          `answers=[HumanAnswer.reject("why")]` (for the approved/rejected guards)...
 
         Counters are never derived: a failed tool result does not raise `failure_streak`, and a
         malformed reply needs `malformed_reason=` (what the malformed_output guard reads).

@@ -1,0 +1,367 @@
+"""A person in the loop, end to end through the CLI against the fake model server over
+loopback: approval of tool calls and input states, suspension (exit 3, `status: waiting`),
+`resume --approve/--reject/--input` in a new process-like call, crashes while waiting, and
+the status in `runs list`."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsm_kernel import Agent, AnswerError, HumanAnswer
+from fsm_kernel.cli.human import TerminalChannel
+from fsm_kernel.protocol import EventType
+from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.testing import ScriptedChatModel, ScriptedHuman, WorkflowHarness, call
+from fsm_kernel.workflow.human import Question
+from tests.clikit import cli
+from tests.fakes.openai_server import FakeOpenAIServer, text_reply, tool_reply
+from tests.fakes.openai_server import call as wire_call
+
+ROOT = Path(__file__).resolve().parents[2]
+APPROVE = ROOT / "workflows" / "approve_tools.yaml"
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer() as fake:
+        yield fake
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "notes.txt").write_text("the answer is 42\n")
+    (ws / "secret.txt").write_text("do not read\n")
+    return ws
+
+
+def _run(server: FakeOpenAIServer, store: Path, ws: Path, *extra: str) -> list[str]:
+    return [
+        "run", str(APPROVE), "-p", "What do my notes say?", "--base-url", server.base_url,
+        "--model", "m", "--store", str(store), "--workspace", str(ws), "--max-retries", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def _resume(store: Path, run_id: str, *extra: str) -> list[str]:
+    return ["resume", run_id, "--store", str(store), *extra]
+
+
+def _types(store: Path, run_id: str) -> list[str]:
+    with SqliteEventStore(store) as events:
+        return [e.type.value for e in events.read(run_id)]
+
+
+def test_approval_suspends_then_approve_runs_the_tool_once(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c1")))
+
+    first = cli(capsys, _run(server, store, workspace, "--json"))
+
+    assert first.code == 3
+    waiting = first.json()
+    assert waiting["status"] == "waiting"
+    assert waiting["termination_reason"] is None
+    assert waiting["waiting_for"] == {
+        "kind": "approval",
+        "state": "act",
+        "tool_call": {"id": "c1", "name": "read_file", "arguments": {"path": "notes.txt"}},
+    }
+    run_id = waiting["run_id"]
+    assert _types(store, run_id)[-1] == "run.suspended"
+    assert "tool.started" not in _types(store, run_id)  # nothing ran without approval
+    listed = cli(capsys, "runs", "list", "--store", store, "--waiting", "--json")
+    assert [(r["run_id"], r["status"]) for r in json.loads(listed.out)] == [(run_id, "waiting")]
+
+    server.enqueue(text_reply("Your notes say the answer is 42."))
+    resumed = cli(capsys, _resume(store, run_id, "--approve", "--by", "alice", "--json"))
+
+    assert resumed.code == 0, resumed.err
+    result = resumed.json()
+    assert (result["status"], result["termination_reason"]) == ("ended", "final_answer")
+    assert result["response"] == "Your notes say the answer is 42."
+    assert len(server.requests) == 2  # the recorded first reply was not asked for again
+    assert server.requests[1]["messages"][-1]["content"] == "the answer is 42\n"
+    with SqliteEventStore(store) as events:
+        log = events.read(run_id)
+    (answered,) = [e for e in log if e.type is EventType.HUMAN_ANSWERED]
+    assert answered.data == {
+        "kind": "approval",
+        "approved": True,
+        "by": "alice",
+        "state": "act",
+        "tool_call_id": "c1",
+    }
+    started = [e for e in log if e.type is EventType.TOOL_STARTED]
+    assert [e.data["call"]["id"] for e in started] == ["c1"]  # exactly once
+    assert answered.seq < started[0].seq
+    listed = cli(capsys, "runs", "list", "--store", store, "--json")
+    assert [r["status"] for r in json.loads(listed.out)] == ["ended"]
+    again = cli(capsys, _resume(store, run_id, "--approve"))
+    assert again.code == 2  # nothing waits any more: a second approval cannot run it twice
+    assert "does not wait for a person" in again.err
+
+
+def test_reject_goes_back_to_the_model_which_takes_another_way(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "secret.txt"}, id="c1")))
+    run_id = cli(capsys, _run(server, store, workspace, "--json")).json()["run_id"]
+
+    rejected = cli(capsys, _resume(store, run_id, "--reject", "that file is private", "--json"))
+
+    # The rejection routes to the steer state, which asks the person how to go on.
+    assert rejected.code == 3
+    assert rejected.json()["waiting_for"] == {
+        "kind": "input",
+        "state": "steer",
+        "prompt": "A tool call was rejected. What should the agent do instead?",
+    }
+    wrong = cli(capsys, _resume(store, run_id, "--approve"))
+    assert wrong.code == 2
+    assert "waits for input (--input)" in wrong.err
+
+    server.enqueue(
+        tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c2")),
+        text_reply("The notes say 42."),
+    )
+    steered = cli(capsys, _resume(store, run_id, "--input", "read notes.txt instead", "--json"))
+    assert steered.code == 3  # the new call needs approval too
+    assert steered.json()["waiting_for"]["tool_call"]["name"] == "read_file"
+    second_request = server.requests[1]["messages"]
+    tool_results = [m for m in second_request if m["role"] == "tool"]
+    assert tool_results[-1]["content"] == "rejected by the user: that file is private"
+    assert second_request[-1] == {"role": "user", "content": "read notes.txt instead"}
+
+    done = cli(capsys, _resume(store, run_id, "--approve", "--json"))
+    assert done.code == 0
+    result = done.json()
+    assert result["response"] == "The notes say 42."
+    assert [(c["name"], c["is_error"]) for c in result["tool_calls"]] == [
+        ("read_file", True),
+        ("read_file", False),
+    ]
+    assert len(server.requests) == 3
+    with SqliteEventStore(store) as events:
+        started = [e for e in events.read(run_id) if e.type is EventType.TOOL_STARTED]
+    assert [e.data["call"]["id"] for e in started] == ["c2"]  # the rejected call never ran
+
+
+def test_resume_of_a_waiting_run_needs_its_answer(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("list_directory", {"path": "."}, id="c1")))
+    run_id = cli(capsys, _run(server, store, workspace, "--json")).json()["run_id"]
+
+    bare = cli(capsys, _resume(store, run_id, "--json"))
+    wrong = cli(capsys, _resume(store, run_id, "--input", "hi"))
+
+    assert bare.code == 2
+    assert bare.json()["exit_code"] == 2
+    assert "waits for approval (--approve or --reject)" in bare.err
+    assert 'list_directory({"path": "."})' in bare.err
+    assert len(bare.err.strip().splitlines()) == 1
+    assert wrong.code == 2
+    assert "--input given" in wrong.err
+    assert _types(store, run_id)[-1] == "run.suspended"  # refused before anything was written
+
+
+def test_human_output_names_the_command_that_answers(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c1")))
+
+    outcome = cli(capsys, _run(server, store, workspace))  # stdin is not a terminal here
+
+    assert outcome.code == 3
+    assert 'waiting for approval of read_file({"path": "notes.txt"}) in state act' in outcome.out
+    run_id = outcome.out.strip().splitlines()[-1].split()[-1]
+    assert f"answer with: fsm-kernel resume {run_id} --approve" in outcome.out
+    listed = cli(capsys, "runs", "list", "--store", store)
+    assert "waiting" in listed.out.splitlines()[1]
+    shown = cli(capsys, "runs", "show", run_id, "--store", store)
+    assert "waiting for a person: approval of read_file" in shown.out
+
+
+def test_a_crash_while_waiting_and_after_the_answer_loses_nothing(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path
+) -> None:
+    """The suspended process ends; a resume that dies after recording the approval (SIGKILL
+    while the tool runs) is resumed without an answer: the approval is not asked again."""
+    store = tmp_path / "runs.db"
+    tools = tmp_path / "slowtools"
+    tools.mkdir()
+    (tools / "slow_mod.py").write_text(
+        "import os, time\n"
+        "def slow_write(text: str) -> str:\n"
+        '    """Write text slowly.\n\n    Args:\n        text: what to write\n    """\n'
+        "    with open(os.environ['SLOW_MARK'], 'a') as f:\n"
+        "        f.write(text + '\\n')\n"
+        "    time.sleep(float(os.environ.get('SLOW_SLEEP', '0')))\n"
+        "    return 'written'\n"
+    )
+    workflow = tmp_path / "slow.yaml"
+    workflow.write_text(
+        APPROVE.read_text()
+        .replace("name: approve_tools", "name: slow_approve")
+        .replace("  - done\n", "  - done\n  - {name: 'slow_mod:slow_write', approval: required}\n")
+    )
+    marks = tmp_path / "marks.txt"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(tools)]),
+        "SLOW_MARK": str(marks),
+        "FSM_KERNEL_MAX_RETRIES": "0",
+    }
+    base = [sys.executable, "-m", "fsm_kernel"]
+    server.enqueue(tool_reply(wire_call("slow_write", {"text": "hello"}, id="w1")))
+    first = subprocess.run(
+        [*base, "run", str(workflow), "-p", "write hello", "--base-url", server.base_url,
+         "--model", "m", "--store", str(store), "--workspace", str(workspace), "--json"],
+        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert first.returncode == 3, first.stderr
+    run_id = first.stdout.strip().split('"run_id": "')[1].split('"')[0]
+
+    resumed = subprocess.Popen(
+        [*base, "resume", run_id, "--store", str(store), "--approve", "--by", "bob", "--json"],
+        env={**env, "SLOW_SLEEP": "60"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # until the approved tool is running
+            if (marks.exists() and marks.read_text()) or resumed.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert marks.read_text() == "hello\n"
+    finally:
+        resumed.kill()
+        resumed.wait(timeout=10)
+    assert _types(store, run_id)[-1] == "tool.started"
+
+    server.enqueue(text_reply("Wrote it."))
+    last = subprocess.run(
+        [*base, "resume", run_id, "--store", str(store), "--json"],
+        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    assert last.returncode == 0, last.stderr
+    assert '"response": "Wrote it."' in last.stdout
+    types = _types(store, run_id)
+    assert types.count("human.answered") == 1  # the recorded approval was served, not re-asked
+    assert types.count("run.suspended") == 1
+    with SqliteEventStore(store) as events:
+        (answered,) = [e for e in events.read(run_id) if e.type is EventType.HUMAN_ANSWERED]
+    assert answered.data["by"] == "bob"
+    # The call killed mid-way had started without a result: it is run again (as any tool).
+    assert marks.read_text() == "hello\nhello\n"
+
+
+def test_interactive_terminal_answers_inline_and_waiting_is_off_the_clock(
+    tmp_path: Path,
+) -> None:
+    """The terminal channel asks on stderr and reads stdin; a person who takes longer than
+    the run's whole timeout does not time the run out."""
+    harness = WorkflowHarness(APPROVE)
+    (tmp_path / "notes.txt").write_text("42")
+    model = ScriptedChatModel([call("read_file", {"path": "notes.txt"}), "It is 42."])
+
+    class SlowPerson(TerminalChannel):
+        async def ask(self, question: Question) -> HumanAnswer:
+            await asyncio.sleep(1.5)  # longer than limits.timeout_seconds below
+            return await super().ask(question)
+
+    out = io.StringIO()
+    person = SlowPerson(by="carol", stdin=io.StringIO("y\n"), out=out)
+    result = harness.run(
+        "notes?", model=model, workspace=tmp_path, human=person, limits={"timeout_seconds": 1}
+    )
+
+    assert result.termination_reason == "final_answer"
+    assert out.getvalue() == 'approve read_file({"path": "notes.txt"})? [y/N] '
+    assert result.tool_calls[0].result.content == "42"
+
+
+def test_terminal_reject_asks_why_and_end_of_input_suspends() -> None:
+    q = Question(kind="approval", state="act", tool_call=None)
+    no = TerminalChannel(by="dan", stdin=io.StringIO("n\ntoo risky\n"), out=io.StringIO())
+    gone = TerminalChannel(stdin=io.StringIO(""), out=io.StringIO())
+
+    answer = asyncio.run(no.ask(q))
+
+    assert (answer.approved, answer.text, answer.by) == (False, "too risky", "dan")
+    from fsm_kernel.workflow.human import Suspended
+
+    with pytest.raises(Suspended):
+        asyncio.run(gone.ask(q))
+
+
+def test_guards_and_scripted_person_in_the_harness(tmp_path: Path) -> None:
+    harness = WorkflowHarness(APPROVE)
+    assert harness.step("act", answers=[HumanAnswer.reject("no")]).target == "steer"
+    assert harness.step("act", answers=[HumanAnswer.approve()]).target == "evaluate"
+    assert harness.step("act").target == "evaluate"
+
+    model = ScriptedChatModel([call("list_directory", {}), "Done without listing."])
+    person = ScriptedHuman([HumanAnswer.reject("not now"), HumanAnswer.input("just answer")])
+    result = harness.run("list", model=model, workspace=tmp_path, human=person)
+
+    assert result.termination_reason == "final_answer"
+    assert [q.kind for q in person.questions] == ["approval", "input"]
+    assert result.messages[-2].content == "just answer"
+    waiting = harness.run(
+        "list", model=ScriptedChatModel([call("list_directory", {})]), workspace=tmp_path
+    )
+    assert (waiting.status, waiting.termination_reason, waiting.ok) == ("waiting", None, False)
+
+
+def test_python_api_suspends_and_resumes_with_an_answer(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        server.enqueue(
+            tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="p1")),
+            text_reply("42."),
+        )
+        async with Agent(
+            APPROVE,
+            base_url=server.base_url,
+            model="m",
+            workspace=workspace,
+            store=tmp_path / "api.db",
+            max_retries=0,
+        ) as agent:
+            waiting = await agent.run("notes?")
+            assert waiting.status == "waiting"
+            assert waiting.waiting_for is not None
+            assert waiting.waiting_for["tool_call"]["id"] == "p1"
+            with pytest.raises(AnswerError):
+                await agent.resume(waiting.run_id)
+            with pytest.raises(AnswerError):
+                await agent.resume(waiting.run_id, answer=HumanAnswer.input("x"))
+            done = await agent.resume(waiting.run_id, answer=HumanAnswer.approve(by="eve"))
+            assert (done.status, done.termination_reason, done.response) == (
+                "ended",
+                "final_answer",
+                "42.",
+            )
+            report = await agent.replay(waiting.run_id)
+            assert report.identical, report.to_dict()
+
+    asyncio.run(go())
