@@ -34,8 +34,8 @@ from fsm_kernel.protocol import ChatModel, EventStore
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
-from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.human import HumanChannel
+from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
