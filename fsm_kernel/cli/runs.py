@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
+from fsm_kernel.config import default_store_location
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.workflow.human import HumanAnswer
 
 if TYPE_CHECKING:
+    from fsm_kernel.api import Agent
+    from fsm_kernel.kernel import RunResult
     from fsm_kernel.replay import RecordedRun
+
+logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -340,10 +346,30 @@ def cmd_resume(args: argparse.Namespace) -> int:
     overrides = commands.agent_options(commands.options_from_args(args))
     answer = _answer(args)
     check_answer(run, answer)  # a one-line usage error before anything is built
-    return commands.execute(
-        args,
-        lambda agent: agent.resume(run.run_id, force=args.force, answer=answer, **overrides),
+    store = args.store or default_store_location()
+
+    async def go(agent: Agent) -> RunResult:
+        result = await agent.resume(run.run_id, force=args.force, answer=answer, **overrides)
+        if result.status == "ended":  # a scheduler dispatch that waited on it is done now
+            await asyncio.to_thread(_settle_dispatch, store, result)
+        return result
+
+    return commands.execute(args, go)
+
+
+def _settle_dispatch(store: str, result: RunResult) -> None:
+    from fsm_kernel.scheduler.queue import settle_waiting_dispatch
+
+    reason = result.termination_reason
+    settled = settle_waiting_dispatch(
+        store,
+        result.run_id,
+        ok=result.ok,
+        termination_reason=None if reason is None else str(reason),
+        error=result.error,
     )
+    if settled is not None:
+        logger.info("dispatch %s (%s): %s", settled.dispatch_id, settled.agent_id, settled.status)
 
 
 def _answer(args: argparse.Namespace) -> HumanAnswer | None:

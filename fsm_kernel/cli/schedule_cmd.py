@@ -118,8 +118,11 @@ async def _run_agent(
     return RunOutcome(
         ok=result.ok,
         run_id=result.run_id,
-        termination_reason=result.termination_reason,
+        termination_reason=None
+        if result.termination_reason is None
+        else str(result.termination_reason),
         error=result.error,
+        waiting=result.status == "waiting",
     )
 
 
@@ -148,9 +151,12 @@ def _print_cycle(result: CycleResult, as_json: bool) -> None:
     print(
         f"tick {result.tick.isoformat()}: dispatched {result.dispatched}, succeeded "
         f"{result.succeeded}, failed {result.failed}, skipped {result.skipped}"
+        + (f", waiting {result.waiting}" if result.waiting else "")
     )
     for d in result.details:
         outcome = d.termination_reason or ""
+        if d.status == "waiting":
+            outcome = f"waits for a person: fsm-kernel resume {d.run_id}"
         error = f" — {cut(d.error, 120)}" if d.error else ""
         print(f"  {d.status:9} {d.agent_id:16} run {d.run_id or '-'} {outcome}{error}")
     sys.stdout.flush()
@@ -283,6 +289,8 @@ def cmd_dispatches(args: argparse.Namespace) -> int:
 
 
 def _row_detail(row: Dispatch) -> str:
+    if row.status is DispatchStatus.WAITING:
+        return f"waiting for a person: fsm-kernel resume {row.run_id}"
     if row.status is DispatchStatus.RUNNING and row.cancel_requested_at is not None:
         return "cancel requested"
     if row.termination_reason and row.error and row.status is not DispatchStatus.DONE:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any, Protocol
 
-from fsm_kernel.errors import StoreSchemaError
+from fsm_kernel.errors import StoreError, StoreSchemaError
 from fsm_kernel.protocol import Clock, new_id
 from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
@@ -104,6 +104,9 @@ def with_notify(statement: str, kind: str) -> str:
     return f"WITH changed AS ({statement}) SELECT changed.*, {notify_item(kind)} FROM changed"
 
 
+STATUS_CHECK = "status IN ('pending', 'running', 'done', 'failed', 'cancelled', 'waiting')"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Dialect:
     """What the dispatch queue's SQL and stored values differ in between SQLite and PostgreSQL."""
@@ -129,6 +132,9 @@ class Dialect:
     """A query that returns a row when the table named by its one placeholder exists."""
     after_migration: tuple[str, ...]
     """Statements run once version 1's rows have been copied."""
+    alters_checks: bool
+    """Whether a CHECK constraint can be replaced in place (PostgreSQL); SQLite rebuilds the
+    table instead."""
     to_db_ts: Callable[[datetime], Any]
     """An aware datetime as a timestamp column's value (text for SQLite)."""
     notify: Callable[[str, str], str]
@@ -137,6 +143,22 @@ class Dialect:
 
     def n(self, name: str) -> str:
         return self.named.format(name)
+
+    @cached_property
+    def allow_waiting(self) -> tuple[str, ...]:
+        """Version 2 to 3: the status column's CHECK takes 'waiting' too."""
+        if self.alters_checks:
+            return (
+                f"ALTER TABLE {TABLE} DROP CONSTRAINT IF EXISTS {TABLE}_status_check",
+                f"ALTER TABLE {TABLE} ADD CONSTRAINT {TABLE}_status_check CHECK ({STATUS_CHECK})",
+            )
+        return (  # the rows copied into the table made anew; its indexes made anew after
+            f"ALTER TABLE {TABLE} RENAME TO {TABLE}_v2",
+            self.ddl[0],
+            f"INSERT INTO {TABLE} SELECT * FROM {TABLE}_v2",
+            f"DROP TABLE {TABLE}_v2",
+            *self.ddl[1:],
+        )
 
     @cached_property
     def ddl(self) -> tuple[str, ...]:
@@ -150,7 +172,7 @@ class Dialect:
         prompt TEXT NOT NULL,
         priority INTEGER NOT NULL DEFAULT 0,
         status TEXT NOT NULL
-            CHECK (status IN ('pending', 'running', 'done', 'failed', 'cancelled')),
+            CHECK ({STATUS_CHECK}),
         dedupe_key TEXT UNIQUE,
         worker_id TEXT,
         lease_expires_at {ts},
@@ -263,6 +285,7 @@ SQLITE: Dialect = Dialect(
     ),
     table_exists="SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
     after_migration=(),
+    alters_checks=False,
     to_db_ts=sqlite_ts,
     notify=_no_notify,
 )
@@ -280,6 +303,7 @@ POSTGRES: Dialect = Dialect(
     ),
     table_exists="SELECT 1 WHERE to_regclass(%s) IS NOT NULL",
     after_migration=(f"ANALYZE {TABLE}",),
+    alters_checks=True,
     to_db_ts=_as_is,
     notify=with_notify,
 )
@@ -341,6 +365,9 @@ class SqlDispatchQueue:
             if version is not None and version < SCHEMA_VERSION:
                 if conn.execute(d.table_exists, (LEGACY_TABLE,)).fetchone() is not None:
                     _migrate_v1(conn, d)
+                elif version == 2:
+                    for statement in d.allow_waiting:
+                        conn.execute(statement)
             self._install(conn)
             conn.execute(
                 f"INSERT INTO scheduler_schema VALUES (1, {d.param}) "
@@ -409,6 +436,29 @@ class SqlDispatchQueue:
             attempt,
             notify=(max_concurrent, now),
         )
+
+    def settle_waiting(
+        self,
+        run_id: str,
+        *,
+        status: DispatchStatus | str,
+        termination_reason: str | None = None,
+        error: str | None = None,
+    ) -> Dispatch | None:
+        final = DispatchStatus(status)
+        if final not in (DispatchStatus.DONE, DispatchStatus.FAILED):
+            raise StoreError(f"a waiting dispatch settles as done or failed, not {final.value}")
+        p = self.dialect.param
+        finished = self._now()
+        with self._write() as conn:
+            if conn.execute(self.dialect.table_exists, (TABLE,)).fetchone() is None:
+                return None  # an event log without a dispatch queue
+            row = conn.execute(
+                f"UPDATE {TABLE} SET status = {p}, termination_reason = {p}, error = {p}, "
+                f"finished_at = {p} WHERE run_id = {p} AND status = 'waiting' {RETURNING}",
+                (final.value, termination_reason, error, finished, run_id),
+            ).fetchone()
+        return Dispatch.from_row(row) if row is not None else None
 
     def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
         d, p = self.dialect, self.dialect.param

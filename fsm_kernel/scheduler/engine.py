@@ -63,6 +63,11 @@ class CycleResult:
     """Earlier fire times collapsed into this tick."""
 
     @property
+    def waiting(self) -> int:
+        """Dispatches whose run waits for a person (`fsm-kernel resume` completes them)."""
+        return sum(d.status is ExecutionStatus.WAITING for d in self.details)
+
+    @property
     def abandoned(self) -> int:
         return sum(d.status is ExecutionStatus.ABANDONED for d in self.details)
 
@@ -84,6 +89,7 @@ class CycleResult:
             "failed": self.failed,
             "skipped": self.skipped,
             "cancelled": self.cancelled,
+            "waiting": self.waiting,
             "abandoned": self.abandoned,
             "lost": self.lost,
             "enqueued_ids": list(self.enqueued_ids),

@@ -45,6 +45,8 @@ class RunOutcome:
     run_id: str | None = None
     termination_reason: str | None = None
     error: str | None = None
+    waiting: bool = False
+    """The run suspended until a person answers (`fsm-kernel resume` completes it)."""
 
 
 AgentRunner = Callable[[AgentSpec, str], Awaitable[RunOutcome]]
@@ -56,6 +58,8 @@ class ExecutionStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     """Stopped on request (`dispatches --cancel`); the run ends with the reason `cancelled`."""
+    WAITING = "waiting"
+    """The run waits for a person; the worker is free and `fsm-kernel resume` completes it."""
     ABANDONED = "abandoned"
     """Stopped mid-run on purpose; the lease is left to expire so another worker reclaims it."""
     LOST = "lost"
@@ -195,6 +199,8 @@ class DispatchExecutor:
     ) -> DispatchDetail:
         if outcome.ok:
             status = ExecutionStatus.DONE
+        elif outcome.waiting and not cancel_requested:
+            status = ExecutionStatus.WAITING
         elif cancel_requested:
             status = ExecutionStatus.CANCELLED
         else:

@@ -51,9 +51,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """1: table dispatch_tasks. 2: renamed kernel_dispatch_tasks (the design's name), with
-max_attempts, cancel_requested_at, the cancelled status and partial claim indexes."""
+max_attempts, cancel_requested_at, the cancelled status and partial claim indexes. 3: the
+waiting status."""
 TABLE = "kernel_dispatch_tasks"
 LEGACY_TABLE = "dispatch_tasks"
 DEFAULT_MAX_ATTEMPTS = 3
@@ -67,10 +68,15 @@ class DispatchStatus(StrEnum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    WAITING = "waiting"
+    """Its run waits for a person (approval, input): the worker and the agent are free; a
+    later `fsm-kernel resume` of the run completes it (done or failed)."""
 
 
 ACTIVE_STATUSES = frozenset({DispatchStatus.PENDING, DispatchStatus.RUNNING})
 FINAL_STATUSES = frozenset({DispatchStatus.DONE, DispatchStatus.FAILED, DispatchStatus.CANCELLED})
+ENDED_STATUSES = FINAL_STATUSES | {DispatchStatus.WAITING}
+"""What a worker may record as a dispatch's outcome."""
 
 COLUMNS: tuple[str, ...] = (
     "dispatch_id",
@@ -246,9 +252,21 @@ class DispatchQueue(Protocol):
         attempt: int | None = None,
         max_concurrent: int | None = None,
     ) -> Dispatch:
-        """Record the outcome (done, failed or cancelled). StoreConflictError if the lease was
-        lost. `max_concurrent` (the kernel's cap) lets a notifying backend wake waiting workers
-        only when this end frees a slot they wait for."""
+        """Record the outcome (done, failed, cancelled, or waiting for a person).
+        StoreConflictError if the lease was lost. `max_concurrent` (the kernel's cap) lets a
+        notifying backend wake waiting workers only when this end frees a slot they wait for."""
+        ...
+
+    def settle_waiting(
+        self,
+        run_id: str,
+        *,
+        status: DispatchStatus | str,
+        termination_reason: str | None = None,
+        error: str | None = None,
+    ) -> Dispatch | None:
+        """Record how the run of a `waiting` dispatch ended after a resume (done or failed);
+        None when no dispatch waits on that run."""
         ...
 
     def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
@@ -324,14 +342,42 @@ def open_queue(store: str, *, clock: Clock | None = None) -> DispatchQueue:
     return queue
 
 
+def settle_waiting_dispatch(
+    store: str, run_id: str, *, ok: bool, termination_reason: str | None, error: str | None
+) -> Dispatch | None:
+    """After `fsm-kernel resume` ended a run: complete the dispatch that waited on it (done or
+    failed), if the store holds a dispatch queue with one; None otherwise (nothing created)."""
+    from fsm_kernel.store import parse_store_location
+
+    where = parse_store_location(store)
+    if where.backend == "jsonl":
+        return None
+    if where.backend == "postgres":
+        from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
+
+        queue: DispatchQueue = PostgresDispatchQueue(where.target)
+    else:
+        queue = SqliteDispatchQueue(where.target)
+    try:
+        return queue.settle_waiting(
+            run_id,
+            status=DispatchStatus.DONE if ok else DispatchStatus.FAILED,
+            termination_reason=termination_reason,
+            error=error,
+        )
+    finally:
+        queue.close()
+
+
 def validate_final_status(status: DispatchStatus | str) -> DispatchStatus:
     try:
         value = DispatchStatus(status)
     except ValueError:
         raise StoreError(f"unknown dispatch status {status!r}") from None
-    if value not in FINAL_STATUSES:
+    if value not in ENDED_STATUSES:
         raise StoreError(
-            f"a dispatch completes with status done, failed or cancelled, not {value.value}"
+            "a dispatch completes with status done, failed, cancelled or waiting, not "
+            f"{value.value}"
         )
     return value
 

@@ -17,7 +17,12 @@ import pytest
 
 from fsm_kernel.errors import StoreSchemaError
 from fsm_kernel.scheduler import Dispatch, DispatchQueue, DispatchStatus, open_queue
-from fsm_kernel.scheduler.queue import LEGACY_COLUMNS, SCHEMA_VERSION
+from fsm_kernel.scheduler._queue_sql import POSTGRES, SQLITE
+from fsm_kernel.scheduler.queue import (
+    LEGACY_COLUMNS,
+    SCHEMA_VERSION,
+    settle_waiting_dispatch,
+)
 from tests.unit.test_scheduler_fakes import FakeClock, pg_url
 
 K = "k1"
@@ -250,8 +255,8 @@ def test_someone_elses_dispatch_tasks_table_is_left_alone(backend: Any) -> None:
 def test_a_store_newer_than_this_code_is_refused_untouched(backend: Any) -> None:
     rows = v1_rows()
     make_v1(backend, rows)
-    backend.execute("UPDATE scheduler_schema SET version = 3")
-    with pytest.raises(StoreSchemaError, match="version 3 is newer"):
+    backend.execute(f"UPDATE scheduler_schema SET version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreSchemaError, match=f"version {SCHEMA_VERSION + 1} is newer"):
         open_queue(backend.store)
     assert "dispatch_tasks" in backend.tables()
     assert "kernel_dispatch_tasks" not in backend.tables()
@@ -259,3 +264,60 @@ def test_a_store_newer_than_this_code_is_refused_untouched(backend: Any) -> None
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, DispatchStatus) else value
+
+
+def test_a_version_2_store_learns_the_waiting_status_keeping_its_rows(backend: Any) -> None:
+    """Version 2's status CHECK had no 'waiting': version 3 replaces it (SQLite copies the rows
+    into a table made anew), every row and index kept."""
+    dialect = SQLITE if isinstance(backend, SqliteBackend) else POSTGRES
+    for statement in dialect.ddl:
+        backend.execute(statement.replace(", 'waiting')", ")"))
+    backend.execute(
+        "CREATE TABLE scheduler_schema (singleton INTEGER PRIMARY KEY CHECK (singleton = 1), "
+        "version INTEGER NOT NULL)"
+    )
+    backend.execute("INSERT INTO scheduler_schema VALUES (1, 2)")
+    insert = (
+        "INSERT INTO kernel_dispatch_tasks (dispatch_id, kernel_id, agent_id, prompt, status, "
+        "created_at) VALUES (%s, %s, %s, %s, %s, %s)"
+    )
+    backend.execute(insert, ("d1", K, "a1", "p", "done", backend.value(T0)))
+    with pytest.raises(Exception, match=r"(?i)check"):  # version 2 refuses 'waiting'
+        backend.execute(insert, ("d2", K, "a2", "p", "waiting", backend.value(T0)))
+
+    open_queue(backend.store).close()
+    backend.execute(insert, ("d2", K, "a2", "p", "waiting", backend.value(T0)))
+    backend.execute("UPDATE kernel_dispatch_tasks SET run_id = 'r2' WHERE dispatch_id = 'd2'")
+
+    assert backend.execute("SELECT version FROM scheduler_schema") == [{"version": SCHEMA_VERSION}]
+    rows = backend.execute("SELECT dispatch_id, status FROM kernel_dispatch_tasks ORDER BY 1")
+    assert rows == [
+        {"dispatch_id": "d1", "status": "done"},
+        {"dispatch_id": "d2", "status": "waiting"},
+    ]
+    indexes = backend.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND name LIKE 'kernel_dispatch%'"
+        if isinstance(backend, SqliteBackend)
+        else "SELECT indexname AS name FROM pg_indexes WHERE indexname LIKE 'kernel_dispatch%%'"
+    )
+    assert {
+        "kernel_dispatch_tasks_one_active",
+        "kernel_dispatch_tasks_pending",
+        "kernel_dispatch_tasks_running",
+        "kernel_dispatch_tasks_recent",
+    } <= {r["name"] for r in indexes}
+    settled = settle_waiting_dispatch(
+        backend.store, "r2", ok=False, termination_reason="tool_failures", error="boom"
+    )
+    assert settled is not None
+    assert (settled.dispatch_id, settled.status, settled.termination_reason, settled.error) == (
+        "d2",
+        DispatchStatus.FAILED,
+        "tool_failures",
+        "boom",
+    )
+    assert settled.finished_at is not None
+    again = settle_waiting_dispatch(
+        backend.store, "r2", ok=True, termination_reason=None, error=None
+    )
+    assert again is None  # settled once

@@ -365,3 +365,61 @@ def test_python_api_suspends_and_resumes_with_an_answer(
             assert report.identical, report.to_dict()
 
     asyncio.run(go())
+
+
+SCHEDULED = """\
+kernel_id: hitl
+schedule: "*/10 * * * *"
+state_dir: state
+store: kernel.db
+agents:
+  - agent_id: reader
+    workflow: {workflow}
+    prompt: "READER-TASK: what do the notes say? {{STATE}}"
+  - agent_id: clock
+    prompt: "CLOCK-TASK: what time is it? {{STATE}}"
+"""
+
+
+def test_a_scheduled_run_that_waits_frees_the_worker_and_resume_completes_it(
+    server: FakeOpenAIServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("42")
+    (tmp_path / "hitl.yaml").write_text(SCHEDULED.format(workflow=APPROVE))
+
+    def answer(request: dict[str, object]) -> object:
+        text = json.dumps(request["messages"])
+        if "CLOCK-TASK" in text:
+            return text_reply("It is noon.")
+        if '"role": "tool"' in text:
+            return text_reply("The notes say 42.")
+        return tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="r1"))
+
+    server.enqueue(answer, answer)
+
+    cycle = cli(capsys, "schedule", "hitl.yaml", "--once", "--base-url", server.base_url, "--json")
+
+    assert cycle.code == 0, cycle.err  # waiting is not a failure
+    result = cycle.json()
+    assert (result["succeeded"], result["failed"], result["waiting"]) == (1, 0, 1)
+    statuses = {d["agent_id"]: d["status"] for d in result["details"]}
+    assert statuses == {"reader": "waiting", "clock": "done"}
+    (waiting,) = [d for d in result["details"] if d["agent_id"] == "reader"]
+    rows = json.loads(cli(capsys, "dispatches", "hitl.yaml", "--json").out)
+    (row,) = [r for r in rows if r["agent_id"] == "reader"]
+    assert (row["status"], row["run_id"]) == ("waiting", waiting["run_id"])
+    human = cli(capsys, "dispatches", "hitl.yaml")
+    assert f"waiting for a person: fsm-kernel resume {waiting['run_id']}" in human.out
+
+    server.enqueue(answer)
+    resumed = cli(capsys, "resume", waiting["run_id"], "--store", "kernel.db", "--approve")
+
+    assert resumed.code == 0, resumed.err
+    rows = json.loads(cli(capsys, "dispatches", "hitl.yaml", "--json").out)
+    (row,) = [r for r in rows if r["agent_id"] == "reader"]
+    assert (row["status"], row["termination_reason"]) == ("done", "final_answer")
+    assert row["finished_at"] is not None
