@@ -423,3 +423,36 @@ def test_a_scheduled_run_that_waits_frees_the_worker_and_resume_completes_it(
     (row,) = [r for r in rows if r["agent_id"] == "reader"]
     assert (row["status"], row["termination_reason"]) == ("done", "final_answer")
     assert row["finished_at"] is not None
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("{name: raed_file, approval: required}", ":20:5: unknown tool 'raed_file'"),
+        ("{name: read_file, approval: maybe}", ":20:33: approval: Input should be 'required'"),
+        ("{name: read_file, approve: required}", ":20:23: unknown key 'approve'"),
+    ],
+)
+def test_validate_points_at_a_bad_tool_entry(
+    entry: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        APPROVE.read_text().replace("  - {name: read_file, approval: required}", f"  - {entry}")
+    )
+
+    outcome = cli(capsys, "validate", bad)
+
+    assert outcome.code == 2
+    assert outcome.err == f"error: {bad}{message}" + outcome.err.split(message, 1)[1]
+    assert len(outcome.err.splitlines()) == 1
+
+
+def test_the_schema_describes_tool_entries(capsys: pytest.CaptureFixture[str]) -> None:
+    schema = json.loads(cli(capsys, "schema").out)
+    items = schema["properties"]["tools"]["anyOf"][1]["items"]["anyOf"]
+    entry = items[1]
+    assert items[0] == {"type": "string"}
+    assert entry["properties"]["approval"]["enum"] == ["required", "never"]
+    assert entry["required"] == ["name"]
+    assert entry["additionalProperties"] is False
