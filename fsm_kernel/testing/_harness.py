@@ -23,9 +23,10 @@ from fsm_kernel.testing._replies import ReplyLike, as_completion, tool_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, compile_workflow
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
-__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness"]
+__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness", "declared_transitions"]
 
 
 class DeclaredTransition(NamedTuple):
@@ -75,11 +76,9 @@ class WorkflowHarness:
 
     @property
     def transitions(self) -> list[DeclaredTransition]:
-        """The declared transitions, in file order."""
-        return [
-            DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
-            for i, t in enumerate(self.spec.transitions)
-        ]
+        """The declared transitions, in file order, then the states' catch edges (guard
+        label `catch agent_error`)."""
+        return declared_transitions(self.spec)
 
     def add_listener(self, listener: StepListener) -> None:
         """Call `listener(harness, fired)` for every transition seen from now on."""
@@ -124,10 +123,21 @@ class WorkflowHarness:
         return ctx
 
     def step(
-        self, state: str, /, *, context: RunContext | None = None, **values: Any
+        self,
+        state: str,
+        /,
+        *,
+        context: RunContext | None = None,
+        raised: BaseException | None = None,
+        **values: Any,
     ) -> FiredTransition:
         """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
         from `values`), fire one step without running any action, and return the transition.
+
+        `raised=exc` steps as if the state's action had failed with `exc` (after its retries):
+        the first of the state's `catch:` entries that handles it fires, and the failure
+        becomes `ctx.caught`. When none handles it, `exc` is raised, as a run would end with
+        it (`agent_error` for an AgentError, else `error`).
         """
         if state not in self.spec.states:
             raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
@@ -137,6 +147,8 @@ class WorkflowHarness:
             raise TypeError("give context= or context fields, not both")
         ctx = context if context is not None else self.context(**values)
         ctx.state_spec = self.spec.states[state]
+        if raised is not None:
+            _fail_action(ctx, state, raised)
         fired = self.compiled.instantiate(ctx, start=state).step()
         self._seen(fired)
         return fired
@@ -231,6 +243,27 @@ class WorkflowHarness:
         return result
 
 
+def declared_transitions(spec: WorkflowSpec) -> list[DeclaredTransition]:
+    """The declared transitions of `spec`, in file order, then its catch edges."""
+    declared = [
+        DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
+        for i, t in enumerate(spec.transitions)
+    ]
+    declared += [
+        DeclaredTransition(c.index, c.source, c.target, c.label(), c.reason)
+        for c in spec.catch_edges()
+    ]
+    return declared
+
+
+def _fail_action(ctx: RunContext, state: str, raised: BaseException) -> None:
+    """Set the failure a catch edge of `state` routes, or raise it if none would."""
+    kind = error_kind(raised)
+    if kind is None or first_catch(ctx.state_spec, kind) is None:
+        raise raised
+    ctx.notes.failure = failure_of(raised, state=state, iteration=ctx.iteration)
+
+
 def _set_reply(ctx: RunContext, reply: ReplyLike | None, *, keep_answer: bool) -> None:
     ctx.last_completion = None if reply is None else as_completion(reply)
     message = ctx.last_completion.message if ctx.last_completion else None
@@ -278,4 +311,5 @@ def _fired_from_event(spec: WorkflowSpec, data: Mapping[str, Any]) -> FiredTrans
         str(data.get("guard") or ""),
         data.get("reason"),
         spec.states[target].final,
+        catch=data.get("catch"),
     )

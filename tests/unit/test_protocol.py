@@ -177,6 +177,8 @@ def test_event_types_are_a_stored_schema() -> None:
         "tool.finished",
         "iteration.completed",
         "run.terminated",
+        "action.failed",
+        "error.caught",
     ]
 
 
