@@ -181,6 +181,7 @@ class WorkflowHarness:
         limits: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
         store: EventStore | None = None,
+        state_models: Mapping[str, ChatModel] | None = None,
     ) -> RunResult:
         """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
 
@@ -193,6 +194,10 @@ class WorkflowHarness:
             limits: overrides of the workflow's limits, e.g. {"max_iterations": 2}.
             system_prompt: instead of the workflow's (memory files are never loaded here).
             store: an EventStore to record into (default: none; events are in the result).
+            state_models: a model per state id, for states with their own `agent:` block
+                (default: every state asks `model`).
+
+        A state's `retry:` runs its action again at once: the backoff is not waited for.
 
         Raises:
             AssertionError: a ScriptedChatModel ran out of replies during the run
@@ -207,6 +212,7 @@ class WorkflowHarness:
                 limits=limits,
                 system_prompt=system_prompt,
                 store=store,
+                state_models=state_models,
             )
         )
 
@@ -220,6 +226,7 @@ class WorkflowHarness:
         limits: Mapping[str, Any] | None = None,
         system_prompt: str | None = None,
         store: EventStore | None = None,
+        state_models: Mapping[str, ChatModel] | None = None,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
         spec = self.spec
@@ -233,6 +240,8 @@ class WorkflowHarness:
                 system_prompt=spec.system_prompt if system_prompt is None else system_prompt,
                 tool_names=offered,
                 limits=self._limits(limits),
+                state_models=state_models,
+                sleep=_no_wait,  # a test does not wait out a retry's backoff
             )
             result = await kernel.run(prompt)
         for event in result.events:
@@ -241,6 +250,10 @@ class WorkflowHarness:
         if isinstance(model, ScriptedChatModel | FunctionChatModel) and model.failure is not None:
             raise model.failure
         return result
+
+
+async def _no_wait(_seconds: float) -> None:
+    return None
 
 
 def declared_transitions(spec: WorkflowSpec) -> list[DeclaredTransition]:
