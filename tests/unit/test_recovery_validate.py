@@ -241,3 +241,19 @@ def test_schema_describes_retry_catch_and_state_agent(capsys: pytest.CaptureFixt
     assert defs["RetrySpec"]["additionalProperties"] is False
     assert defs["CatchSpec"]["required"] == ["error", "target"]
     assert defs["CatchSpec"]["properties"]["error"]["enum"] == ["agent_error", "error", "any"]
+
+
+def test_the_readme_example_is_a_valid_workflow() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Recovering from errors") :]
+    block = section[section.index("```yaml\n") + 8 : section.index("```\n", 8)]
+
+    spec = load_workflow_text(block, path="README.md")
+
+    assert [(c.source, c.target, c.error) for c in spec.catch_edges()] == [
+        ("think", "fallback", "agent_error"),
+        ("think", "failed", "any"),
+    ]
+    assert spec.states["think"].retry == RetrySpec(
+        error="agent_error", max_attempts=2, backoff_seconds=1
+    )
