@@ -321,6 +321,9 @@ class Agent:
         kernel.on_event = self._on_event
         if model is not self._chat_model and hasattr(model, "aclose"):
             self._owned.closers.append(model.aclose)
+        for state_model in {id(m): m for m in kernel.state_models.values()}.values():
+            if state_model is not model and hasattr(state_model, "aclose"):
+                self._owned.closers.append(state_model.aclose)
         return kernel
 
     def _require_store(self, what: str) -> EventStore:

@@ -258,6 +258,11 @@ def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:
         (("states", sid, "tool_choice"), s.tool_choice, offered if s.tools is None else s.tools)
         for sid, s in spec.states.items()
     ]
+    places += [
+        (("states", sid, "agent", "tool_choice"), s.agent.tool_choice, offered)
+        for sid, s in spec.states.items()
+        if s.agent is not None
+    ]
     for where, choice, tools in places:
         if choice is None or choice in ("auto", "none", "omit"):
             continue
@@ -356,6 +361,60 @@ def chat_model_for(settings: AgentSettings, environ: Mapping[str, str] | None = 
     )
 
 
+def _origin(base_url: str) -> tuple[str, str, int | None]:
+    url = urlsplit(base_url)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    return url.scheme.lower(), (url.hostname or "").lower(), port
+
+
+def state_agent_settings(spec: WorkflowSpec, run: AgentSettings) -> dict[str, AgentSettings]:
+    """The settings of each state with its own `agent:` block: its keys over the run's (which
+    are the workflow's block < environment < flags), so a state can pin a fallback model.
+
+    The run's API key goes only to a state server with the run's origin (scheme, host, port):
+    a key is never sent to another server the workflow names.
+    """
+    out: dict[str, AgentSettings] = {}
+    for sid, state in spec.states.items():
+        if state.agent is None:
+            continue
+        settings = run.merged(state.agent.model_dump())
+        if _origin(settings.base_url) != _origin(run.base_url):
+            settings = replace(settings, api_key=None)
+        out[sid] = settings
+    return out
+
+
+def _state_models(
+    spec: WorkflowSpec,
+    run: AgentSettings,
+    run_model: ChatModel,
+    environ: Mapping[str, str] | None,
+) -> dict[str, ChatModel]:
+    """One model per distinct state setting (states with the run's own settings share its)."""
+    built: dict[AgentSettings, ChatModel] = {run: run_model}
+    models: dict[str, ChatModel] = {}
+    for sid, settings in state_agent_settings(spec, run).items():
+        if settings not in built:
+            built[settings] = chat_model_for(settings, environ)
+        models[sid] = built[settings]
+    return models
+
+
+def _recorded_state_agents(spec: WorkflowSpec, run: AgentSettings) -> dict[str, Any]:
+    """What `run.started` records of the states' `agent:` blocks: the keys each sets, as the
+    run resolved them (never a key)."""
+    recorded: dict[str, Any] = {}
+    for sid, settings in state_agent_settings(spec, run).items():
+        block = spec.states[sid].agent
+        keys = block.model_dump(exclude_none=True) if block is not None else {}
+        recorded[sid] = {k: getattr(settings, k) for k in keys}
+    return recorded
+
+
 def _env_count(environ: Mapping[str, str], name: str) -> int | None:
     raw = environ.get(name)
     if not raw:
@@ -389,7 +448,9 @@ def build_kernel(
     tool registry, memory, `store` and the channel to a person (`human`; default: runs that
     need one suspend).
 
-    A model this builds must be closed (`await model.aclose()`) after the runs.
+    A model this builds must be closed (`await model.aclose()`) after the runs, and so must
+    the states' own (`kernel.state_models`, built from their `agent:` blocks unless
+    `chat_model` is given: then every state uses it).
     """
     options = options or RunOptions()
     limits = run_limits(spec, options)
@@ -404,6 +465,8 @@ def build_kernel(
     if notice:
         logger.warning("%s", notice)
     described = model.describe() if isinstance(model, LocalChatModel) else {}
+    state_models = {} if chat_model is not None else _state_models(spec, settings, model, environ)
+    state_agents = _recorded_state_agents(spec, settings)
     kernel = Kernel(
         compile_workflow(spec),
         model=model,
@@ -417,10 +480,12 @@ def build_kernel(
             "tools": offered,
             **({"approval": sorted(approval)} if approval else {}),
             "workspace": str(Path(options.workspace or ".").resolve()),
+            **({"state_agents": state_agents} if state_agents else {}),
         },
         tool_names=offered,
         limits=limits,
         human=human,
         approval_required=approval,
+        state_models=state_models,
     )
     return kernel, model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -34,9 +34,10 @@ from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
-from fsm_kernel.workflow.context import RunContext, RunServices, ToolCallRecord
+from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
+from fsm_kernel.workflow.recovery import run_action
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
 
 __all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
@@ -139,6 +140,8 @@ class Kernel:
         limits: Limits | None = None,
         human: HumanChannel | None = None,
         approval_required: frozenset[str] = frozenset(),
+        state_models: Mapping[str, ChatModel] | None = None,
+        sleep: Sleep | None = None,
     ) -> None:
         """Args:
         workflow: the compiled workflow (compiled once per content; limits are not part of it).
@@ -149,6 +152,8 @@ class Kernel:
         limits: the runs' limits; default the workflow's `limits:`.
         human: how runs reach a person (approvals, `human.input`); default: they suspend.
         approval_required: the tools a person approves each call of (`approval: required`).
+        state_models: the model of each state with its own `agent:` block (by state id).
+        sleep: waits between a state's `retry:` attempts (default asyncio.sleep).
         """
         self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tool_names)
         self.human: HumanChannel = human or SuspendingChannel()
@@ -163,6 +168,8 @@ class Kernel:
         self.clock = clock or SystemClock()
         self.settings = settings or {}
         self.on_event = on_event
+        self.state_models: Mapping[str, ChatModel] = dict(state_models or {})
+        self.sleep: Sleep = sleep or asyncio.sleep
 
     # -- public API ----------------------------------------------------------------------
 
@@ -174,17 +181,26 @@ class Kernel:
         model: ChatModel | None = None,
         tools: ToolExecutor | None = None,
         watch: Watcher | None = None,
+        recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
     ) -> RunResult:
         """Run the workflow on `prompt` until it terminates; never raises for run failures.
 
         `model` and `tools` replace the kernel's for this run only; `watch` sees this run's
         events and text deltas (besides `on_event`). Runs on one Kernel may go concurrently.
+        `recorded_failures` is for replays (see `RunServices.recorded_failures`).
         """
         run_id = run_id or new_id()
         with self.lock(run_id):
             recorder = self.recorder(run_id, watch=watch)
             recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
-            ctx = self.new_context(run_id, prompt, recorder, model=model, tools=tools)
+            ctx = self.new_context(
+                run_id,
+                prompt,
+                recorder,
+                model=model,
+                tools=tools,
+                recorded_failures=recorded_failures,
+            )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
             recorder.record(EventType.STATE_ENTERED, {})
@@ -209,9 +225,17 @@ class Kernel:
         model: ChatModel | None = None,
         tools: ToolExecutor | None = None,
         human: HumanChannel | None = None,
+        state_models: Mapping[str, ChatModel] | None = None,
+        recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
     ) -> RunContext:
         """A fresh context whose session holds the user's prompt, with this run's collaborators
-        (the kernel's unless given)."""
+        (the kernel's unless given). A retry's wait is skipped while the run catches up with
+        its log (a resume re-driving recorded failures)."""
+
+        async def sleep(seconds: float) -> None:
+            if not recorder.catching_up:
+                await self.sleep(seconds)
+
         services = RunServices(
             model=model or self.model,
             tools=tools or self.tools,
@@ -219,6 +243,9 @@ class Kernel:
             record=recorder.record,
             flush=recorder.flush,
             human=OffTheClock(human or self.human),
+            state_models=self.state_models if state_models is None else state_models,
+            sleep=sleep,
+            recorded_failures=recorded_failures or {},
         )
         ctx = RunContext(
             run_id=run_id,
@@ -306,7 +333,7 @@ class Kernel:
             raise _Stop(hit.reason, hit.error)
         if action is not None:
             ctx.state_spec = self.spec.states[state]
-            await action(ctx)
+            await run_action(ctx, action, ctx.state_spec)  # under its retry: and catch:
             recorder.iteration = ctx.iteration
 
     def _complete_iteration(
@@ -446,6 +473,9 @@ def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> di
     else:
         decision = "answer"
     errors = [f"{r.call.name}: {r.result.content[:200]}" for r in calls if r.result.is_error]
+    caught = ctx.caught
+    if completion is None and error is None and caught and caught.iteration == ctx.iteration:
+        error = f"{caught.type}: {caught.message}"  # the failed call a catch: routed
     return {
         "step": ctx.iteration,
         "decision": decision,

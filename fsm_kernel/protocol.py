@@ -271,6 +271,11 @@ class EventType(StrEnum):
     HUMAN_ANSWERED = "human.answered"
     RUN_SUSPENDED = "run.suspended"
     RUN_TERMINATED = "run.terminated"
+    ACTION_FAILED = "action.failed"
+    """An attempt of a state's action raised and its `retry:` runs it again."""
+    ERROR_CAUGHT = "error.caught"
+    """A state's action failed for good and a `catch:` entry routes the run (its catch edge's
+    `transition.taken` follows)."""
 
 
 LIVE_ONLY_EVENTS = frozenset({EventType.MODEL_FAILED, EventType.MODEL_NOTICE})

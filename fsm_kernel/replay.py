@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsm_kernel import errors
 from fsm_kernel.errors import (
     AgentError,
     AnswerError,
@@ -63,34 +64,60 @@ _NOT_REPRODUCED = LIVE_ONLY_EVENTS | {
 """What a re-drive does not record again: the run's markers (started, resumed, suspended
 until an answer: a re-drive with the answer goes past that point) and the live model's
 failures."""
+_RECOVERED = (EventType.ACTION_FAILED, EventType.ERROR_CAUGHT)
+"""The events of a failure a state's `retry:` or `catch:` handled."""
 _EXTERNAL_ENDINGS = frozenset({"timeout", "cancelled"})
 """Endings decided by the clock or the user, not by the workflow: a replay (which takes no
 time) reproduces the steps recorded before them and reports the recorded ending."""
 
 
+class _Served:
+    """The recorded model outcomes a re-drive serves in order, shared by the models of all
+    states (the log holds one sequence of calls, whichever state made them)."""
+
+    def __init__(self, outcomes: Sequence[Completion | AgentError]) -> None:
+        self.queue = list(outcomes)
+        self.count = 0
+
+
 class RecordedChatModel:
-    """Serves the recorded model answers in order; then the live model, if there is one, or
-    the recorded failure that ended the run (a replay of an `agent_error` run fails where the
-    run did)."""
+    """Serves the recorded model outcomes in order: answers, and the failures a state's
+    `retry:` or `catch:` handled (raised again, so the re-drive retries or catches where the
+    run did); then the live model, if there is one, or the recorded failure that ended the run
+    (a replay of an `agent_error` run fails where the run did)."""
 
     def __init__(
         self,
-        completions: Sequence[Completion],
+        completions: Sequence[Completion | AgentError],
         live: ChatModel | None = None,
         *,
         failure: AgentError | None = None,
     ) -> None:
-        self._queue = list(completions)
+        self._served = _Served(completions)
         self.live = live
         self.failure = failure
-        self.served = 0
+
+    @property
+    def served(self) -> int:
+        """Recorded outcomes served so far (by this model and those sharing its log)."""
+        return self._served.count
+
+    def sharing(self, live: ChatModel | None) -> RecordedChatModel:
+        """A model serving from the same recorded outcomes, then handing over to `live` (the
+        live model of a state with its own `agent:` block)."""
+        twin = RecordedChatModel((), live, failure=self.failure)
+        twin._served = self._served
+        return twin
 
     async def complete(
         self, messages: Sequence[Message], tools: Sequence[Tool], **options: Any
     ) -> Completion:
-        if self._queue:
-            self.served += 1
-            return self._queue.pop(0)
+        if self._served.queue:
+            self._served.count += 1
+            outcome = self._served.queue.pop(0)
+            if isinstance(outcome, AgentError):
+                raise outcome
+            return outcome
         if self.live is None:
             if self.failure is not None:
                 raise self.failure
@@ -145,13 +172,20 @@ class RecordedRun:
     events: list[Event]
     started: Event
     terminated: Event | None
-    completions: list[Completion] = field(default_factory=list)
+    completions: list[Completion | AgentError] = field(default_factory=list)
+    """The model's outcomes in order: its answers, and the failures the run recovered from
+    (retried or caught)."""
     results: dict[str, ToolResult] = field(default_factory=dict)
     unfinished: dict[str, int] = field(default_factory=dict)
     answers: list[HumanAnswer] = field(default_factory=list)
     """A person's recorded answers, in order."""
     waiting_for: dict[str, Any] | None = None
     """What the run waits for, when its log ends suspended (see `status`)."""
+    action_failures: dict[tuple[str, int, int], Exception] = field(default_factory=dict)
+    """Failures of actions (other than the model's) the run retried or caught, by (state,
+    visit, attempt): a re-drive raises them instead of running the action again."""
+    handled: set[int] = field(default_factory=set)
+    """The seqs of `model.failed` events the run recovered from: a re-drive reproduces them."""
 
     @classmethod
     def load(cls, store: EventStore, run_id: str) -> RecordedRun:
@@ -161,24 +195,46 @@ class RecordedRun:
             raise RunNotFoundError(f"run {run_id} has no run.started event", run_id=run_id)
         run = cls(run_id, events, events[0], None)
         started: dict[str, int] = {}
+        failed: Event | None = None  # the last model failure, until it is known to be handled
         for e in events:
+            if e.type in _RECOVERED:
+                run._recovered(e, failed)
+            if e.type in (EventType.MODEL_FAILED, *_RECOVERED, EventType.MODEL_REQUESTED):
+                failed = e if e.type == EventType.MODEL_FAILED else None
             if e.type == EventType.MODEL_RESPONDED:
                 run.completions.append(Completion.from_dict(e.data["completion"]))
             elif e.type == EventType.TOOL_STARTED:
                 started[e.data["call"]["id"]] = e.seq
             elif e.type == EventType.TOOL_FINISHED and not e.data.get("malformed"):
                 run.results[e.data["call"]["id"]] = ToolResult.from_dict(e.data["result"])
-            elif e.type == EventType.HUMAN_ANSWERED:
-                run.answers.append(HumanAnswer.from_dict(e.data))
-            elif e.type == EventType.RUN_SUSPENDED:
-                run.waiting_for = dict(e.data.get("waiting_for") or {})
-            elif e.type == EventType.RUN_TERMINATED:
-                run.terminated, run.waiting_for = e, None
-            elif e.type == EventType.RUN_RESUMED:
-                # a resumable ending (agent_error) or a suspension that a resume reopened
-                run.terminated, run.waiting_for = None, None
+            else:
+                run._person_or_life_cycle(e)
         run.unfinished = {cid: seq for cid, seq in started.items() if cid not in run.results}
         return run
+
+    def _person_or_life_cycle(self, e: Event) -> None:
+        """A person's answer, or where the run stands: suspended, ended, reopened."""
+        if e.type == EventType.HUMAN_ANSWERED:
+            self.answers.append(HumanAnswer.from_dict(e.data))
+        elif e.type == EventType.RUN_SUSPENDED:
+            self.waiting_for = dict(e.data.get("waiting_for") or {})
+        elif e.type == EventType.RUN_TERMINATED:
+            self.terminated, self.waiting_for = e, None
+        elif e.type == EventType.RUN_RESUMED:
+            # a resumable ending (agent_error) or a suspension that a resume reopened
+            self.terminated, self.waiting_for = None, None
+
+    def _recovered(self, event: Event, model_failed: Event | None) -> None:
+        """A failure a state retried or caught: the model's (its `model.failed` just before)
+        joins the model's outcomes; any other is kept to be raised where the action ran."""
+        data = event.data
+        if data.get("kind") == "agent_error" and model_failed is not None:
+            self.completions.append(_agent_error(model_failed.data.get("error") or data["error"]))
+            self.handled.add(model_failed.seq)
+            return
+        attempt = int(data.get("attempt", data.get("attempts", 1)))
+        where = (str(event.state), int(data.get("visit", 1)), attempt)
+        self.action_failures[where] = _action_error(data.get("kind"), data.get("error") or {})
 
     @property
     def goal(self) -> str:
@@ -211,7 +267,7 @@ class RecordedRun:
         the endings a resume reopened (with the failed iteration that led to each)."""
         out: list[Event] = []
         for e in self.events:
-            if e.type in _NOT_REPRODUCED:
+            if e.type in _NOT_REPRODUCED and e.seq not in self.handled:
                 continue
             if e.type == EventType.RUN_TERMINATED and e is not self.terminated:
                 if out and out[-1].type == EventType.ITERATION_COMPLETED:
@@ -346,14 +402,18 @@ async def _resume_locked(
         next_seq=next_seq + 1,
         watchers=watchers,
     )
-    # This run's own collaborators: recorded answers first, then the kernel's live ones.
+    # This run's own collaborators: recorded answers first, then the kernel's live ones (each
+    # state's own model for the states with an `agent:` block).
+    model = RecordedChatModel(run.completions, kernel.model)
     ctx = kernel.new_context(
         run.run_id,
         run.goal,
         recorder,
-        model=RecordedChatModel(run.completions, kernel.model),
+        model=model,
         tools=RecordedToolExecutor(run.results, kernel.tools, unfinished=run.unfinished),
         human=AnsweringChannel(run.answers, given=answer, live=kernel.human),
+        state_models={sid: model.sharing(live) for sid, live in kernel.state_models.items()},
+        recorded_failures=run.action_failures,
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
@@ -445,8 +505,9 @@ async def replay_run(
         limits=limits or (Limits.model_validate(recorded) if recorded else None),
         human=AnsweringChannel(run.answers),  # then it suspends where the run did
         approval_required=frozenset(settings.get("approval") or ()),
+        sleep=_no_wait,  # a replay takes no time: a retry's backoff is not waited for
     )
-    result = await kernel.run(run.goal, run_id=run.run_id)
+    result = await kernel.run(run.goal, run_id=run.run_id, recorded_failures=run.action_failures)
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()
     recorded_reason = run.terminated.data.get("reason") if run.terminated else None
@@ -476,6 +537,34 @@ async def replay_run(
         model.served,
         result.error,
     )
+
+
+async def _no_wait(_seconds: float) -> None:
+    return None
+
+
+def _agent_error(data: Mapping[str, Any]) -> AgentError:
+    """The AgentError a `model.failed` event recorded (its class and attributes), to raise
+    again."""
+    cls = getattr(errors, str(data.get("type", "")), None)
+    if not (isinstance(cls, type) and issubclass(cls, AgentError)):
+        cls = AgentError
+    error = cls.__new__(cls)
+    message = str(data.get("message") or "the model server failed")
+    errors.FsmKernelError.__init__(error, message)
+    error.base_url = ""
+    error.__dict__.update({k: v for k, v in data.items() if k not in ("type", "message")})
+    return error
+
+
+def _action_error(kind: object, data: Mapping[str, Any]) -> Exception:
+    """A recorded failure of an action, as an exception of the recorded class name."""
+    message = str(data.get("message") or "")
+    if kind == "agent_error":
+        return _agent_error(data)
+    name = str(data.get("type") or "Exception")
+    recorded: type[Exception] = type(name, (Exception,), {"__module__": __name__})
+    return recorded(message)
 
 
 def _recorded_failure(run: RecordedRun) -> AgentError | None:

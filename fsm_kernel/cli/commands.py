@@ -251,8 +251,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1
         else:
+            catches = len(spec.catch_edges())
+            extra = f", {catches} catch edge{'s' if catches != 1 else ''}" if catches else ""
             print(
-                f"{spec.path}: ok ({len(spec.states)} states, {len(spec.transitions)} transitions)"
+                f"{spec.path}: ok ({len(spec.states)} states, {len(spec.transitions)} "
+                f"transitions{extra})"
             )
     return EXIT_USAGE if failed else EXIT_OK
 

@@ -65,9 +65,21 @@ def _progress_line(event: Event) -> str | None:
         return f"  ✗ {data['call']['name']}: {cut(data['result']['content'], 160)}"
     if event.type == EventType.MODEL_NOTICE and data.get("kind") == "stream_restarted":
         return "  (the model's answer restarts: the stream broke and the request is retried)"
+    if event.type == EventType.ACTION_FAILED:
+        return (
+            f"  ✗ {event.state} failed (attempt {data.get('attempt')}): {_error_text(data)}; "
+            f"retrying in {data.get('retry_in', 0):g}s"
+        )
+    if event.type == EventType.ERROR_CAUGHT:
+        return f"  ✗ {event.state} failed: {_error_text(data)}; caught → {data.get('target')}"
     if event.type == EventType.RUN_TERMINATED:
         return f"■ {data.get('reason')}"
     return None
+
+
+def _error_text(data: dict[str, Any]) -> str:
+    error = data.get("error") or {}
+    return cut(f"{error.get('type', 'Error')}: {error.get('message', '')}", 160)
 
 
 def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = None) -> None:

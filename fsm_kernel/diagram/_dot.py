@@ -9,6 +9,7 @@ import html
 import graphviz
 
 from fsm_kernel.diagram._labels import (
+    CAUGHT,
     DIM,
     INK,
     KERNEL_REASONS,
@@ -70,18 +71,21 @@ def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> di
 
 
 def _edge_groups(spec: WorkflowSpec) -> list[tuple[str, str, list[int]]]:
-    """Transitions sharing a source and a target, drawn as one edge with a row per transition."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    """Transitions sharing a source and a target, drawn as one edge with a row per transition;
+    catch edges are grouped apart (they are drawn in their own style)."""
+    groups: dict[tuple[str, str, bool], list[int]] = {}
     for index, t in enumerate(spec.transitions):
-        groups.setdefault((t.source, t.target), []).append(index)
-    return [(source, target, indexes) for (source, target), indexes in groups.items()]
+        groups.setdefault((t.source, t.target, False), []).append(index)
+    for edge in spec.catch_edges():
+        groups.setdefault((edge.source, edge.target, True), []).append(edge.index)
+    return [(source, target, indexes) for (source, target, _), indexes in groups.items()]
 
 
 def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tuple[str, str]:
     """(text, colour) of one transition's line on its edge."""
     text = edge_label(spec, index)
     if overlay is None:
-        return text, INK
+        return text, CAUGHT if spec.catch_edge(index) is not None else INK
     count = fired_count(spec, overlay, index)
     if count == 0:
         return text, DIM
@@ -109,6 +113,8 @@ def _edge_attrs(
     spec: WorkflowSpec, indexes: list[int], overlay: RunOverlay | None
 ) -> dict[str, str]:
     attrs = _edge_label_attrs([_edge_row(spec, i, overlay) for i in indexes])
+    if spec.catch_edge(indexes[0]) is not None:
+        attrs.update(style="dashed", color=CAUGHT)
     if overlay is None:
         return attrs
     if overlay.terminating in indexes:
@@ -128,6 +134,12 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
         "[guard] → reason: the run ends with that termination reason",
         "the kernel may end any run with: " + ", ".join(KERNEL_REASONS),
     ]
+    if spec.catch_edges():
+        rows.insert(
+            3,
+            "dashed catch edge: taken first when the state's action fails with that error "
+            "(after its retries)",
+        )
     if overlay is not None:
         rows += [
             "×n: times a state was entered / an edge fired; grey: not reached",

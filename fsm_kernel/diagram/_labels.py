@@ -5,9 +5,10 @@ summary and the kernel's own termination reasons. Pure text; no graphviz.
 from __future__ import annotations
 
 from fsm_kernel.diagram._overlay import RunOverlay
-from fsm_kernel.workflow.spec import SUCCESS_REASONS, TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.spec import SUCCESS_REASONS, RetrySpec, TransitionSpec, WorkflowSpec
 
 __all__ = [
+    "CAUGHT",
     "DIM",
     "FAILED",
     "HINT_MAX",
@@ -16,6 +17,7 @@ __all__ = [
     "SOFT",
     "SUCCEEDED",
     "TAKEN",
+    "edge_end",
     "edge_label",
     "end_color",
     "ended_here",
@@ -49,7 +51,18 @@ DIM = "#b8c2cc"
 TAKEN = "#1d4ed8"
 FAILED = "#c0392b"
 SUCCEEDED = "#15803d"
+CAUGHT = "#b45309"
+"""Catch edges: drawn dashed in this colour."""
 HINT_MAX = 40
+
+
+def edge_end(spec: WorkflowSpec, index: int) -> tuple[str, str, str | None]:
+    """(source, target, reason) of edge `index`: a declared transition or a catch edge."""
+    edge = spec.catch_edge(index)
+    if edge is not None:
+        return edge.source, edge.target, edge.reason
+    t = spec.transitions[index]
+    return t.source, t.target, t.reason
 
 
 def _condition(spec: WorkflowSpec, t: TransitionSpec) -> str:
@@ -67,7 +80,12 @@ def _order(spec: WorkflowSpec, index: int) -> int | None:
 
 
 def edge_label(spec: WorkflowSpec, index: int) -> str:
-    """One line: `2. [malformed_output and not retries_exhausted]`, `[done_called] → done`."""
+    """One line: `2. [malformed_output and not retries_exhausted]`, `[done_called] → done`;
+    `catch agent_error` for a catch edge (tried before the others, when the action failed)."""
+    edge = spec.catch_edge(index)
+    if edge is not None:
+        end = f" → {edge.reason}" if edge.reason else ""
+        return f"{edge.label()}{end}"
     t = spec.transitions[index]
     condition = _condition(spec, t)
     parts = []
@@ -118,7 +136,17 @@ def state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
         lines.append(_tools_hint(state.tools))
     if not state.answer:
         lines.append("answer: false")
+    if state.agent is not None and state.agent.model:
+        lines.append(f"model: {short(state.agent.model, HINT_MAX - 7)}")
+    if state.retry is not None:
+        lines.append(_retry_hint(state.retry))
     return lines
+
+
+def _retry_hint(retry: RetrySpec) -> str:
+    """`retry agent_error: 3×, backoff 1s` (up to 3 retries, the first after 1 s)."""
+    what = "" if retry.error == "any" else f" {retry.error}"
+    return f"retry{what}: {retry.max_attempts}×, backoff {retry.backoff_seconds:g}s"
 
 
 def end_color(overlay: RunOverlay) -> str:
@@ -140,6 +168,6 @@ def run_summary(overlay: RunOverlay) -> str:
 def ended_here(spec: WorkflowSpec, overlay: RunOverlay, index: int) -> str:
     """The mark on the edge that ended the run, with the run's reason when it is not the edge's
     (the kernel turned a cut-off final_answer into truncated)."""
-    if overlay.reason == spec.transitions[index].reason:
+    if overlay.reason == edge_end(spec, index)[2]:
         return "■ ended here"
     return f"■ ended here: {overlay.reason}"

@@ -59,13 +59,15 @@ def _mermaid_states(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]
 
 def _mermaid_edges(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
     lines = [f"    [*] --> {_mid(spec.initial)}"]
-    for index, t in enumerate(spec.transitions):
+    edges = [(i, t.source, t.target) for i, t in enumerate(spec.transitions)]
+    edges += [(c.index, c.source, c.target) for c in spec.catch_edges()]
+    for index, source, target in edges:
         label = edge_label(spec, index)
         if overlay is not None and fired_count(spec, overlay, index):
             label = f"{label} ×{fired_count(spec, overlay, index)}".strip()
             if index == overlay.terminating:
                 label += " " + ended_here(spec, overlay, index)
-        arrow = f"    {_mid(t.source)} --> {_mid(t.target)}"
+        arrow = f"    {_mid(source)} --> {_mid(target)}"
         lines.append(f"{arrow} : {_mermaid_text(label)}" if label else arrow)
     lines += [f"    {_mid(sid)} --> [*]" for sid in spec.final_states()]
     return lines
@@ -97,5 +99,9 @@ def to_mermaid(spec: WorkflowSpec, *, overlay: RunOverlay | None = None) -> str:
     lines += _mermaid_edges(spec, overlay)
     if overlay is not None:
         lines += _mermaid_overlay(spec, overlay)
+    if spec.catch_edges():
+        lines.append(
+            "    %% catch edges are taken first when the state's action fails with that error"
+        )
     lines.append("    %% the kernel may end any run with: " + ", ".join(KERNEL_REASONS))
     return "\n".join(lines) + "\n"

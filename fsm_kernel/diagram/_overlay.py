@@ -147,6 +147,10 @@ def overlay_problems(spec: WorkflowSpec, overlay: RunOverlay) -> list[str]:
 
 
 def _edge_matches(spec: WorkflowSpec, index: int, source: str, target: str) -> bool:
+    """Edge `index` of `spec` (a declared transition or a catch edge) goes source → target."""
+    edge = spec.catch_edge(index)
+    if edge is not None:
+        return (edge.source, edge.target) == (source, target)
     if not 0 <= index < len(spec.transitions):
         return False
     t = spec.transitions[index]

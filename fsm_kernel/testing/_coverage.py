@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fsm_kernel.bootstrap import resolve_workflow
-from fsm_kernel.testing._harness import DeclaredTransition, WorkflowHarness
+from fsm_kernel.testing._harness import DeclaredTransition, WorkflowHarness, declared_transitions
 from fsm_kernel.workflow.compiler import FiredTransition
 from fsm_kernel.workflow.loader import load_workflow
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -29,20 +29,17 @@ def _spec_of(workflow: WorkflowHarness | WorkflowSpec) -> WorkflowSpec:
 
 
 def _case_indexes(spec: WorkflowSpec, case: CoverageCase) -> set[int]:
-    """The declared transitions a case stands for; ValueError if it matches none."""
+    """The declared transitions (or catch edges) a case stands for; ValueError if it matches
+    none."""
+    declared = declared_transitions(spec)
     if isinstance(case, FiredTransition | DeclaredTransition):
         index, source, target = case.index, case.source, case.target
-        if 0 <= index < len(spec.transitions):
-            declared = spec.transitions[index]
-            if (declared.source, declared.target) == (source, target):
+        if 0 <= index < len(declared):
+            if (declared[index].source, declared[index].target) == (source, target):
                 return {index}
         raise ValueError(f"transition #{index} {source} -> {target} is not from {spec.path}")
     source, target, guard = case
-    found = {
-        i
-        for i, t in enumerate(spec.transitions)
-        if (t.source, t.target, t.label()) == (source, target, guard)
-    }
+    found = {t.index for t in declared if (t.source, t.target, t.guard) == (source, target, guard)}
     if not found:
         raise ValueError(f"case {case!r} matches no declared transition of {spec.path}")
     return found
@@ -51,16 +48,12 @@ def _case_indexes(spec: WorkflowSpec, case: CoverageCase) -> set[int]:
 def uncovered_transitions(
     workflow: WorkflowHarness | WorkflowSpec, cases: Iterable[CoverageCase]
 ) -> list[DeclaredTransition]:
-    """The declared transitions none of `cases` exercised."""
+    """The declared transitions (and catch edges) none of `cases` exercised."""
     spec = _spec_of(workflow)
     covered: set[int] = set()
     for case in cases:
         covered |= _case_indexes(spec, case)
-    return [
-        DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
-        for i, t in enumerate(spec.transitions)
-        if i not in covered
-    ]
+    return [t for t in declared_transitions(spec) if t.index not in covered]
 
 
 def _describe(t: DeclaredTransition) -> str:
@@ -86,8 +79,8 @@ def assert_all_transitions_covered(
         spec = _spec_of(workflow)
         lines = "\n".join(_describe(t) for t in missing)
         raise AssertionError(
-            f"{len(missing)} of {len(spec.transitions)} declared transition(s) of {spec.path} "
-            f"never exercised:\n{lines}"
+            f"{len(missing)} of {len(declared_transitions(spec))} declared transition(s) of "
+            f"{spec.path} never exercised:\n{lines}"
         )
 
 

@@ -24,9 +24,10 @@ from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, comp
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
-__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness"]
+__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness", "declared_transitions"]
 
 
 class DeclaredTransition(NamedTuple):
@@ -76,11 +77,9 @@ class WorkflowHarness:
 
     @property
     def transitions(self) -> list[DeclaredTransition]:
-        """The declared transitions, in file order."""
-        return [
-            DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
-            for i, t in enumerate(self.spec.transitions)
-        ]
+        """The declared transitions, in file order, then the states' catch edges (guard
+        label `catch agent_error`)."""
+        return declared_transitions(self.spec)
 
     def add_listener(self, listener: StepListener) -> None:
         """Call `listener(harness, fired)` for every transition seen from now on."""
@@ -126,10 +125,21 @@ class WorkflowHarness:
         return ctx
 
     def step(
-        self, state: str, /, *, context: RunContext | None = None, **values: Any
+        self,
+        state: str,
+        /,
+        *,
+        context: RunContext | None = None,
+        raised: BaseException | None = None,
+        **values: Any,
     ) -> FiredTransition:
         """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
         from `values`), fire one step without running any action, and return the transition.
+
+        `raised=exc` steps as if the state's action had failed with `exc` (after its retries):
+        the first of the state's `catch:` entries that handles it fires, and the failure
+        becomes `ctx.caught`. When none handles it, `exc` is raised, as a run would end with
+        it (`agent_error` for an AgentError, else `error`).
         """
         if state not in self.spec.states:
             raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
@@ -139,6 +149,8 @@ class WorkflowHarness:
             raise TypeError("give context= or context fields, not both")
         ctx = context if context is not None else self.context(**values)
         ctx.state_spec = self.spec.states[state]
+        if raised is not None:
+            _fail_action(ctx, state, raised)
         fired = self.compiled.instantiate(ctx, start=state).step()
         self._seen(fired)
         return fired
@@ -172,6 +184,7 @@ class WorkflowHarness:
         system_prompt: str | None = None,
         store: EventStore | None = None,
         human: HumanChannel | None = None,
+        state_models: Mapping[str, ChatModel] | None = None,
     ) -> RunResult:
         """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
 
@@ -186,6 +199,10 @@ class WorkflowHarness:
             store: an EventStore to record into (default: none; events are in the result).
             human: answers a person would give (e.g. `ScriptedHuman([HumanAnswer.approve()])`);
                 default: a run that asks suspends (its result's `status` is "waiting").
+            state_models: a model per state id, for states with their own `agent:` block
+                (default: every state asks `model`).
+
+        A state's `retry:` runs its action again at once: the backoff is not waited for.
 
         Raises:
             AssertionError: a ScriptedChatModel ran out of replies during the run
@@ -201,6 +218,7 @@ class WorkflowHarness:
                 system_prompt=system_prompt,
                 store=store,
                 human=human,
+                state_models=state_models,
             )
         )
 
@@ -215,6 +233,7 @@ class WorkflowHarness:
         system_prompt: str | None = None,
         store: EventStore | None = None,
         human: HumanChannel | None = None,
+        state_models: Mapping[str, ChatModel] | None = None,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
         spec = self.spec
@@ -230,6 +249,8 @@ class WorkflowHarness:
                 limits=self._limits(limits),
                 human=human,
                 approval_required=approval,
+                state_models=state_models,
+                sleep=_no_wait,  # a test does not wait out a retry's backoff
             )
             result = await kernel.run(prompt)
         for event in result.events:
@@ -238,6 +259,31 @@ class WorkflowHarness:
         if isinstance(model, ScriptedChatModel | FunctionChatModel) and model.failure is not None:
             raise model.failure
         return result
+
+
+async def _no_wait(_seconds: float) -> None:
+    return None
+
+
+def declared_transitions(spec: WorkflowSpec) -> list[DeclaredTransition]:
+    """The declared transitions of `spec`, in file order, then its catch edges."""
+    declared = [
+        DeclaredTransition(i, t.source, t.target, t.label(), t.reason)
+        for i, t in enumerate(spec.transitions)
+    ]
+    declared += [
+        DeclaredTransition(c.index, c.source, c.target, c.label(), c.reason)
+        for c in spec.catch_edges()
+    ]
+    return declared
+
+
+def _fail_action(ctx: RunContext, state: str, raised: BaseException) -> None:
+    """Set the failure a catch edge of `state` routes, or raise it if none would."""
+    kind = error_kind(raised)
+    if kind is None or first_catch(ctx.state_spec, kind) is None:
+        raise raised
+    ctx.notes.failure = failure_of(raised, state=state, iteration=ctx.iteration)
 
 
 def _set_reply(ctx: RunContext, reply: ReplyLike | None, *, keep_answer: bool) -> None:
@@ -288,4 +334,5 @@ def _fired_from_event(spec: WorkflowSpec, data: Mapping[str, Any]) -> FiredTrans
         str(data.get("guard") or ""),
         data.get("reason"),
         spec.states[target].final,
+        catch=data.get("catch"),
     )

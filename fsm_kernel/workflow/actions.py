@@ -4,7 +4,8 @@ references to users' own.
 An action is `async def action(ctx: RunContext) -> None` (a plain function works too); it runs
 when its state is entered. A guard is `def guard(ctx: RunContext) -> bool`, pure and fast: it
 decides which transition fires. Actions raise AgentError when the model server fails; any other
-exception ends the run with reason `error`.
+exception ends the run with reason `error` (unless the state's `retry:`/`catch:` handles it,
+see recovery.py).
 """
 
 from __future__ import annotations
@@ -144,17 +145,19 @@ async def agent_think(ctx: RunContext) -> None:
     """Ask the model, with the conversation so far and the tools this state offers."""
     if ctx.model is None:
         raise FsmKernelError("agent.think needs a model, but the run has none")
-    if ctx.state_spec.prompt:
+    retrying = ctx.attempt > 1  # a `retry:` of this call: same prompt, same iteration
+    if ctx.state_spec.prompt and not retrying:
         message = Message.user(ctx.state_spec.prompt)
         ctx.session.add(message)
         ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
     offered = ctx.offered_tools()
     messages = ctx.messages_for_model()
-    ctx.iteration += 1
-    ctx.record(
-        EventType.MODEL_REQUESTED,
-        {"messages": len(messages), "tools": [t.name for t in offered]},
-    )
+    if not retrying:
+        ctx.iteration += 1
+    requested: dict[str, Any] = {"messages": len(messages), "tools": [t.name for t in offered]}
+    if retrying:
+        requested["attempt"] = ctx.attempt
+    ctx.record(EventType.MODEL_REQUESTED, requested)
     await ctx.flush()  # before waiting on the model, the log shows what the run is waiting for
     started = ctx.clock.monotonic()
     choice = ctx.state_spec.tool_choice
@@ -164,7 +167,7 @@ async def agent_think(ctx: RunContext) -> None:
             if choice is not None
             else ctx.model.complete(messages, offered)
         )
-    except AgentError as exc:  # the kernel ends the run; the log says which call failed and why
+    except AgentError as exc:  # retried, caught or the end of the run; the log says which call
         ctx.record(EventType.MODEL_FAILED, {"error": exc.to_dict()})
         raise
     latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
@@ -375,6 +378,7 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "truncated": is_truncated,
     "approved": approved,
     "rejected": rejected,
+    "caught": lambda ctx: ctx.caught is not None,
 }
 
 

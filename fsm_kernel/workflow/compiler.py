@@ -19,7 +19,8 @@ from statemachine.io import create_machine_class_from_definition
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.context import RunContext
-from fsm_kernel.workflow.spec import TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.recovery import catch_matches, take_failure
+from fsm_kernel.workflow.spec import CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
 from fsm_kernel.workflow.validate import EVENT_NAME
 
 __all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "compile_workflow"]
@@ -30,22 +31,29 @@ class FiredTransition:
     """The transition a step took."""
 
     index: int
-    """Its position in the workflow's `transitions` list."""
+    """Its position in the workflow's `transitions` list; a catch edge's number follows them
+    (see `WorkflowSpec.catch_edges`)."""
     source: str
     target: str
     guard: str
-    """The guard label ("has_tool_calls and not retries_exhausted"), "" when unguarded."""
+    """The guard label ("has_tool_calls and not retries_exhausted"), "" when unguarded;
+    "catch agent_error" for a catch edge."""
     reason: str | None
     final: bool
+    catch: str | None = None
+    """For a catch edge: the error kind of its `catch:` entry (agent_error, error, any)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "index": self.index,
             "source": self.source,
             "target": self.target,
             "guard": self.guard,
             "reason": self.reason,
         }
+        if self.catch is not None:
+            data["catch"] = self.catch
+        return data
 
 
 class Machine:
@@ -87,8 +95,19 @@ class Machine:
             ) from None
         index = self.ctx.notes.fired
         assert index is not None, "a fired transition always marks itself"
-        t = self.compiled.spec.transitions[index]
         self.ctx.current_state = self.state
+        edge = self.compiled.spec.catch_edge(index)
+        if edge is not None:
+            return FiredTransition(
+                index,
+                edge.source,
+                edge.target,
+                edge.label(),
+                edge.reason,
+                self.is_final,
+                catch=edge.error,
+            )
+        t = self.compiled.spec.transitions[index]
         return FiredTransition(index, t.source, t.target, t.label(), t.reason, self.is_final)
 
 
@@ -138,11 +157,28 @@ def _transition_def(index: int, t: TransitionSpec) -> dict[str, Any]:
     return td
 
 
+def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
+    """A catch entry as a transition: it passes only right after the state's action failed
+    with an error this entry is the first to handle; firing it makes the failure `ctx.caught`."""
+
+    def caught_here(model: RunContext) -> bool:
+        return catch_matches(model, state, edge.position)
+
+    def route(model: RunContext) -> None:
+        model.notes.fired = edge.index
+        take_failure(model)
+
+    caught_here.__name__ = f"catch_{edge.position}_{edge.error}"
+    return {"event": EVENT_NAME, "target": edge.target, "cond": [caught_here], "on": route}
+
+
 def _build_class(spec: WorkflowSpec) -> type[StateChart[Any]]:
     states: dict[str, Any] = {
         sid: {"initial": sid == spec.initial, "final": s.final, "transitions": []}
         for sid, s in spec.states.items()
     }
+    for edge in spec.catch_edges():  # tried before the state's own transitions
+        states[edge.source]["transitions"].append(_catch_def(edge, spec.states[edge.source]))
     for i, t in enumerate(spec.transitions):
         states[t.source]["transitions"].append(_transition_def(i, t))
     for sdef in states.values():

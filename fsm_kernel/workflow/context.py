@@ -7,7 +7,8 @@ also reachable as `ctx.model`, `ctx.tools`, `ctx.clock`, `ctx.record`) and its s
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +29,18 @@ from fsm_kernel.session import InMemorySession, Session
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, SuspendingChannel
 from fsm_kernel.workflow.spec import Limits, StateSpec
 
-__all__ = ["KernelNotes", "Recorder", "RunContext", "RunServices", "ToolCallRecord"]
+__all__ = [
+    "CaughtError",
+    "KernelNotes",
+    "Recorder",
+    "RunContext",
+    "RunServices",
+    "Sleep",
+    "ToolCallRecord",
+]
 
 Recorder = Callable[[EventType, dict[str, Any]], object]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 def _no_record(_type: EventType, _data: dict[str, Any]) -> None:
@@ -64,6 +74,34 @@ class ToolCallRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CaughtError:
+    """A failure of a state's action, as the run keeps it: what `catch:` routed (`ctx.caught`,
+    read by the `caught` guard), or the failure a catch edge is about to route."""
+
+    state: str
+    """The state whose action failed."""
+    error: str
+    """`agent_error` (the model server failed) or `error` (anything else the action raised)."""
+    type: str
+    """The exception's class name (AgentServerError, ValueError, ...)."""
+    message: str
+    attempts: int = 1
+    """How many times the action ran (1 + the retries)."""
+    iteration: int = 0
+    """The run's iteration when it failed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "error": self.error,
+            "type": self.type,
+            "message": self.message,
+            "attempts": self.attempts,
+            "iteration": self.iteration,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunServices:
     """What a run works with, fixed for the run: the model, the tools, the clock and the event
     recorder. They belong to the run, not to the Kernel, so a resume (which serves recorded
@@ -78,6 +116,17 @@ class RunServices:
     """Makes the events recorded so far durable (before a side effect, e.g. a tool call)."""
     human: HumanChannel = field(default_factory=SuspendingChannel)
     """How the run reaches a person (tool approval, `human.input`): by default it suspends."""
+    state_models: Mapping[str, ChatModel] = field(default_factory=dict)
+    """The model of each state with its own `agent:` block; the others use `model`."""
+    sleep: Sleep = asyncio.sleep
+    """Waits between the attempts of a state's `retry:` (inside the run's timeout)."""
+    recorded_failures: Mapping[tuple[str, int, int], Exception] = field(default_factory=dict)
+    """A re-driven run's recorded action failures (not the model's, which its model serves):
+    by (state, visit, attempt), raised instead of running the action again."""
+
+    def model_for(self, state: str) -> ChatModel | None:
+        """The model the calls of `state` go to."""
+        return self.state_models.get(state, self.model)
 
 
 @dataclass(kw_only=True)
@@ -88,6 +137,10 @@ class KernelNotes:
     """The index of the transition the machine just took (set by its `on` callback)."""
     recorded_iteration: int = 0
     """The last iteration whose `iteration.completed` event was written."""
+    failure: CaughtError | None = None
+    """The failure of the action that just ran, which a catch edge is about to route."""
+    visits: dict[str, int] = field(default_factory=dict)
+    """How many times each state with `retry:`/`catch:` had its action run (retries aside)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -139,11 +192,18 @@ class RunContext:
     the text of a `human.input` state); the guards `approved` and `rejected` read them."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Free space for users' own actions and guards (the kernel never writes here)."""
+    caught: CaughtError | None = None
+    """The last failure a state's `catch:` routed (None until one does; the next replaces it):
+    which state failed, how, and the error text. The `caught` guard reads it."""
+    attempt: int = 1
+    """The attempt of the running action: 2 and up when a state's `retry:` runs it again
+    (agent.think then neither re-adds the state's prompt nor counts a new iteration)."""
     notes: KernelNotes = field(default_factory=KernelNotes, repr=False)
 
     @property
     def model(self) -> ChatModel | None:
-        return self.services.model
+        """The model of the current state: its own `agent:` block's, else the run's."""
+        return self.services.model_for(self.current_state)
 
     @property
     def tools(self) -> ToolExecutor | None:

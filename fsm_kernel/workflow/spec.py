@@ -14,11 +14,16 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
 
 __all__ = [
+    "ERROR_KINDS",
     "SUCCESS_REASONS",
     "TERMINATION_REASONS",
     "AgentBlock",
+    "CatchEdge",
+    "CatchSpec",
+    "ErrorKind",
     "Limits",
     "ReasonSpec",
+    "RetrySpec",
     "SourceLocation",
     "StateSpec",
     "TerminationReason",
@@ -243,6 +248,74 @@ class ReasonSpec(_Model):
     description: str = Field(default="", description="What the reason means, for readers")
 
 
+ErrorKind = Literal["agent_error", "error", "any"]
+"""Which failures of a state's action a `retry:` or `catch:` entry handles: `agent_error` (the
+model server failed after the client's own retries: AgentError), `error` (anything else the
+action raised) or `any` (both). Cancellation, the run's timeout and the kernel's own failures
+(the store, a replay's divergence) are never handled."""
+
+ERROR_KINDS: tuple[str, ...] = ("agent_error", "error", "any")
+
+_ERROR_HELP = (
+    "which failures: agent_error (the model server failed after the client's own retries), "
+    "error (the action raised anything else) or any (both)"
+)
+
+
+class RetrySpec(_Model):
+    """Run a state's action again when it raises, as Step Functions' Retry: after a failure,
+    wait `backoff_seconds` × `backoff_rate`^(retry − 1) (at most `max_backoff_seconds`) and
+    run it again, up to `max_attempts` more times."""
+
+    error: ErrorKind = Field(default="any", description="Retry " + _ERROR_HELP + ". Default any")
+    max_attempts: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        strict=True,
+        description="Retries after the first failure (Step Functions' MaxAttempts): the action "
+        "runs at most 1 + max_attempts times. Default 3; 0 = never retried",
+    )
+    backoff_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Seconds to wait before the first retry (Step Functions' IntervalSeconds); "
+        "the wait counts against the run's timeout. Default 1",
+    )
+    backoff_rate: float = Field(
+        default=2.0,
+        ge=1,
+        le=100,
+        allow_inf_nan=False,
+        description="Each further wait is this many times the previous one. Default 2",
+    )
+    max_backoff_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="The longest wait between two attempts (Step Functions' MaxDelaySeconds)",
+    )
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1-based)."""
+        wait = self.backoff_seconds * self.backoff_rate ** (retry - 1)
+        return min(wait, self.max_backoff_seconds) if self.max_backoff_seconds else wait
+
+
+class CatchSpec(_Model):
+    """Where a run goes when the state's action still fails (after its retries), instead of
+    ending: the first entry whose `error` matches routes the run to `target`."""
+
+    error: ErrorKind = Field(description="Catch " + _ERROR_HELP)
+    target: str = Field(description="The state the run goes to; the error is in ctx.caught")
+    reason: str | None = Field(
+        default=None, description="Termination reason; required when the target is final"
+    )
+    description: str = ""
+
+
 class StateSpec(_Model):
     """One state of the loop: the action it runs when entered."""
 
@@ -272,6 +345,22 @@ class StateSpec(_Model):
         "answer. Guards are unaffected (they read the last reply). Setting false on a state "
         "whose action does not call the model is a validation error.",
     )
+    retry: RetrySpec | None = Field(
+        default=None,
+        description="Run the action again when it raises (each attempt is recorded as an "
+        "action.failed event)",
+    )
+    catch: list[CatchSpec] = Field(
+        default_factory=list,
+        description="When the action still fails, the first entry whose error matches routes "
+        "the run to its target instead of ending it (tried before the state's transitions)",
+    )
+    agent: AgentBlock | None = Field(
+        default=None,
+        description="For states whose action calls the model: model server settings for this "
+        "state's calls, over the run's (workflow agent: block, environment, flags), e.g. a "
+        "fallback model",
+    )
 
 
 class TransitionSpec(_Model):
@@ -293,6 +382,35 @@ class TransitionSpec(_Model):
     def label(self) -> str:
         parts = list(self.guard) + [f"not {name}" for name in self.unless]
         return " and ".join(parts)
+
+
+@dataclass(frozen=True)
+class CatchEdge:
+    """A state's `catch:` entry as an edge of the machine. Edges are numbered in one list: the
+    declared transitions first, then every catch entry (states in file order, entries in list
+    order); `index` is the number `transition.taken` records."""
+
+    index: int
+    source: str
+    position: int
+    """The entry's place in its state's `catch:` list."""
+    spec: CatchSpec
+
+    @property
+    def target(self) -> str:
+        return self.spec.target
+
+    @property
+    def reason(self) -> str | None:
+        return self.spec.reason
+
+    @property
+    def error(self) -> str:
+        return self.spec.error
+
+    def label(self) -> str:
+        """The guard label of the edge: `catch agent_error`."""
+        return f"catch {self.spec.error}"
 
 
 class WorkflowSpec(_Model):
@@ -373,3 +491,20 @@ class WorkflowSpec(_Model):
     def transition_triples(self) -> set[tuple[str, str, str]]:
         """(source, target, guard label) for every declared transition."""
         return {(t.source, t.target, t.label()) for t in self.transitions}
+
+    def catch_edges(self) -> list[CatchEdge]:
+        """Every state's `catch:` entries as edges, numbered after the declared transitions."""
+        edges: list[CatchEdge] = []
+        for sid, state in self.states.items():
+            for position, entry in enumerate(state.catch):
+                index = len(self.transitions) + len(edges)
+                edges.append(CatchEdge(index, sid, position, entry))
+        return edges
+
+    def catch_edge(self, index: int) -> CatchEdge | None:
+        """The catch edge numbered `index`, or None (a declared transition, or no such edge)."""
+        position = index - len(self.transitions)
+        if position < 0:
+            return None
+        edges = self.catch_edges()
+        return edges[position] if position < len(edges) else None

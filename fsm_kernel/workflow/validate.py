@@ -2,9 +2,10 @@
 
 Structure (states, targets, reachability, final states), names (reserved by
 python-statemachine, clashing with the machine's one event; the workflow's own termination
-reasons: snake_case, never a built-in's), references (actions, guards, termination reasons), and
-`answer: false` only where the action calls the model. Tool names are checked by the kernel,
-which owns the registry.
+reasons: snake_case, never a built-in's), references (actions, guards, termination reasons),
+`answer: false` and `agent:` only where the action calls the model, and `retry:`/`catch:` only
+where there is an action (catch targets checked like transition targets). Tool names are
+checked by the kernel, which owns the registry.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import deque
 
 from fsm_kernel.errors import WorkflowValidationError
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
-from fsm_kernel.workflow.spec import TERMINATION_REASONS, WorkflowSpec
+from fsm_kernel.workflow.spec import TERMINATION_REASONS, StateSpec, WorkflowSpec
 
 __all__ = ["EVENT_NAME", "RESERVED_NAMES", "validate_workflow"]
 
@@ -147,6 +148,68 @@ def _check_transitions(spec: WorkflowSpec) -> None:
             )
 
 
+def _check_edge_end(spec: WorkflowSpec, target: str, reason: str | None, *where: object) -> None:
+    """A catch entry's target and reason, checked as a transition's are."""
+    if target not in spec.states:
+        raise _fail(spec, f"unknown catch target state {target!r}", *where, "target")
+    into_final = spec.states[target].final
+    if into_final and not reason:
+        raise _fail(spec, f"catch into final state {target!r} needs a 'reason'", *where)
+    if reason and not into_final:
+        raise _fail(spec, "'reason' is only for a catch into a final state", *where, "reason")
+    if reason and reason not in TERMINATION_REASONS and reason not in spec.reasons:
+        raise _fail(
+            spec,
+            f"unknown termination reason {reason!r} (declare your own under 'reasons:')",
+            *where,
+            "reason",
+        )
+
+
+def _check_catches(spec: WorkflowSpec, sid: str, state: StateSpec) -> None:
+    handled: list[str] = []
+    for k, entry in enumerate(state.catch):
+        where = ("states", sid, "catch", k)
+        _check_edge_end(spec, entry.target, entry.reason, *where)
+        earlier = next((e for e in handled if e in ("any", entry.error)), None)
+        if earlier is not None:
+            raise _fail(
+                spec,
+                f"catch entry never fires: an earlier entry of state {sid!r} already catches "
+                f"{earlier!r}",
+                *where,
+                "error",
+            )
+        handled.append(entry.error)
+
+
+def _check_recovery(spec: WorkflowSpec) -> None:
+    """`retry:`, `catch:` and `agent:` only where they can act: on a state with an action (one
+    that calls the model, for `agent:`); catch targets and reasons as for transitions."""
+    for sid, state in spec.states.items():
+        for key in ("retry", "catch"):
+            if getattr(state, key) and not state.action:
+                raise _fail(
+                    spec,
+                    f"'{key}:' does nothing on state {sid!r}: it has no action to fail",
+                    "states",
+                    sid,
+                    key,
+                )
+        if state.agent is not None and not (
+            state.action and resolve_action(state.action).calls_model
+        ):
+            raise _fail(
+                spec,
+                f"'agent:' does nothing on state {sid!r}: only a state whose action calls the "
+                "model (agent.think) makes model calls",
+                "states",
+                sid,
+                "agent",
+            )
+        _check_catches(spec, sid, state)
+
+
 def _check_fallbacks(spec: WorkflowSpec) -> None:
     for sid, state in spec.states.items():
         if state.final:
@@ -175,11 +238,14 @@ def _check_fallbacks(spec: WorkflowSpec) -> None:
 
 
 def _reachable(spec: WorkflowSpec, start: str, forward: bool = True) -> set[str]:
+    """States reachable from `start` (or that reach it) through transitions and catch edges."""
+    edges = [(t.source, t.target) for t in spec.transitions]
+    edges += [(c.source, c.target) for c in spec.catch_edges()]
     seen, queue = {start}, deque([start])
     while queue:
         here = queue.popleft()
-        for t in spec.transitions:
-            src, dst = (t.source, t.target) if forward else (t.target, t.source)
+        for source, target in edges:
+            src, dst = (source, target) if forward else (target, source)
             if src == here and dst not in seen:
                 seen.add(dst)
                 queue.append(dst)
@@ -210,5 +276,6 @@ def validate_workflow(spec: WorkflowSpec) -> None:
     _check_transitions(spec)
     _check_refs(spec)
     _check_answer_flags(spec)
+    _check_recovery(spec)
     _check_fallbacks(spec)
     _check_graph(spec)

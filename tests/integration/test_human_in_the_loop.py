@@ -456,3 +456,25 @@ def test_the_schema_describes_tool_entries(capsys: pytest.CaptureFixture[str]) -
     assert entry["properties"]["approval"]["enum"] == ["required", "never"]
     assert entry["required"] == ["name"]
     assert entry["additionalProperties"] is False
+
+
+def test_waiting_for_a_person_is_never_caught_or_retried(tmp_path: Path) -> None:
+    """`catch: any` and `retry:` on the state that asks: suspension is not a failure."""
+    text = APPROVE.read_text().replace(
+        "  act:      {action: tools.execute, description: run the tools a person approved}",
+        "  act:\n    action: tools.execute\n    retry: {max_attempts: 2}\n"
+        "    catch: [{error: any, target: terminate, reason: final_answer}]",
+    )
+    assert text != APPROVE.read_text()
+    workflow = tmp_path / "caught.yaml"
+    workflow.write_text(text)
+    harness = WorkflowHarness(workflow)
+    model = ScriptedChatModel([call("list_directory", {})])
+
+    result = harness.run("list", model=model, workspace=tmp_path)
+
+    assert (result.status, result.termination_reason) == ("waiting", None)
+    types = [e.type for e in result.events]
+    assert EventType.ACTION_FAILED not in types
+    assert EventType.ERROR_CAUGHT not in types
+    assert types[-1] is EventType.RUN_SUSPENDED

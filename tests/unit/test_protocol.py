@@ -179,6 +179,8 @@ def test_event_types_are_a_stored_schema() -> None:
         "human.answered",
         "run.suspended",
         "run.terminated",
+        "action.failed",
+        "error.caught",
     ]
 
 
