@@ -157,6 +157,8 @@ def run_summary(overlay: RunOverlay) -> str:
     """`run 0190ab12: done after 7 transitions` (or why and where the kernel stopped it)."""
     steps = f"{len(overlay.path)} transition{'s' if len(overlay.path) != 1 else ''}"
     who = f"run {overlay.run_id}" if overlay.run_id else "run"  # a prefix is not unique
+    if overlay.waiting:
+        return f"{who}: waiting for a person in {overlay.last_state} after {steps}"
     if overlay.reason is None:
         return f"{who}: not terminated (in flight or killed) after {steps}, in {overlay.last_state}"
     if overlay.ended_by_kernel:

@@ -42,6 +42,8 @@ class RunOverlay:
     error: str | None = None
     last_state: str | None = None
     """The state the run was in when it ended (or is in now)."""
+    waiting: bool = False
+    """The run is suspended until a person answers (in `last_state`)."""
 
     @property
     def ended_by_kernel(self) -> bool:
@@ -71,13 +73,19 @@ class _OverlayBuilder:
         self.state: str | None = None
         self.reason: str | None = None
         self.error: str | None = None
+        self.waiting = False
 
     def feed(self, event: Event) -> None:
         self.run_id = self.run_id or event.run_id
         if event.type is EventType.RUN_STARTED:
             self.started = dict(event.data)
-        elif event.type is EventType.RUN_RESUMED and event.data.get("workflow_hash"):
-            self.started["workflow_hash"] = event.data["workflow_hash"]  # resume --force
+        elif event.type is EventType.RUN_RESUMED:  # reopens an ending or a suspension
+            self.reason = self.error = None
+            self.waiting = False
+            if event.data.get("workflow_hash"):
+                self.started["workflow_hash"] = event.data["workflow_hash"]  # resume --force
+        elif event.type is EventType.RUN_SUSPENDED:
+            self.waiting = True
         elif event.type is EventType.STATE_ENTERED and event.state is not None:
             self._enter(event.state)
         elif event.type is EventType.TRANSITION_TAKEN:
@@ -122,6 +130,7 @@ class _OverlayBuilder:
             reason=self.reason,
             error=self.error,
             last_state=state,
+            waiting=self.waiting and self.reason is None,
         )
 
 

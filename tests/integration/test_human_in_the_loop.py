@@ -478,3 +478,21 @@ def test_waiting_for_a_person_is_never_caught_or_retried(tmp_path: Path) -> None
     assert EventType.ACTION_FAILED not in types
     assert EventType.ERROR_CAUGHT not in types
     assert types[-1] is EventType.RUN_SUSPENDED
+
+
+def test_the_diagram_of_a_waiting_run_says_it_waits_where(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c1")))
+    run_id = cli(capsys, _run(server, store, workspace, "--json")).json()["run_id"]
+
+    waiting = cli(capsys, "diagram", APPROVE, "--run", run_id, "--store", store)
+    server.enqueue(text_reply("42."))
+    assert cli(capsys, _resume(store, run_id, "--approve")).code == 0
+    ended = cli(capsys, "diagram", APPROVE, "--run", run_id, "--store", store)
+
+    assert f"run {run_id[:8]}" in waiting.out or run_id in waiting.out
+    assert "waiting for a person in act after 2 transitions" in waiting.out
+    assert "waiting for a person" not in ended.out
+    assert "final_answer after" in ended.out
