@@ -36,6 +36,7 @@ from fsm_kernel.workflow.actions import is_truncated
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, ToolCallRecord
 from fsm_kernel.workflow.limits import limit_reached
+from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
 
 __all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
@@ -68,6 +69,9 @@ class RunResult:
     (a plain string). Both compare equal to the name as written."""
     response: str
     iterations: int
+    output: Any = None
+    """The structured output: the answer validated against the workflow's `output:` schema
+    (an instance of the pydantic model it names, or the parsed JSON); None without one."""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     error: str | None = None
@@ -88,6 +92,7 @@ class RunResult:
             "workflow": self.workflow,
             "termination_reason": str(self.termination_reason),
             "response": self.response,
+            "output": as_json(self.output),
             "iterations": self.iterations,
             "tool_calls": [r.to_dict() for r in self.tool_calls],
             "usage": self.usage.to_dict(),
@@ -203,6 +208,7 @@ class Kernel:
             limits=self.limits,
             tool_names=self.tool_names,
             services=services,
+            outputs=self.workflow.outputs,
             session=InMemorySession(),
         )
         ctx.session.add(Message.user(prompt))
@@ -302,6 +308,8 @@ class Kernel:
             error = ctx.fatal_error
         if self.spec.is_success(reason) and is_truncated(ctx):  # a cut-off answer is no success
             reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
+        elif self.spec.is_success(reason) and ctx.output_error is not None:  # nor a wrong one
+            reason, error = TerminationReason.MALFORMED_OUTPUT, ctx.output_error
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {
@@ -309,6 +317,8 @@ class Kernel:
             "answer": response,
             "iterations": ctx.iteration,
         }
+        if ctx.output is not None:
+            data["output"] = as_json(ctx.output)
         if error:
             data["error"] = error
         if resumable:
@@ -321,6 +331,7 @@ class Kernel:
             termination_reason=reason,
             response=response,
             iterations=ctx.iteration,
+            output=ctx.output,
             tool_calls=list(ctx.tool_calls),
             usage=ctx.usage,
             error=error,

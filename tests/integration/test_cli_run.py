@@ -37,6 +37,7 @@ RESULT_KEYS = {
     "workflow",
     "termination_reason",
     "response",
+    "output",
     "iterations",
     "tool_calls",
     "usage",
