@@ -310,6 +310,8 @@ class Kernel:
             reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
         elif self.spec.is_success(reason) and ctx.output_error is not None:  # nor a wrong one
             reason, error = TerminationReason.MALFORMED_OUTPUT, ctx.output_error
+        if reason == TerminationReason.MALFORMED_OUTPUT and error is None:
+            error = _malformed_error(ctx)  # the workflow's own edge ended it: say why
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {
@@ -393,6 +395,16 @@ def _one_line(exc: Exception, state: str) -> str:
     more = " …" if len(lines) > 1 else ""
     first = lines[0] if lines else ""
     return f"{type(exc).__name__}: {first}{more} (in state {state!r})"
+
+
+def _malformed_error(ctx: RunContext) -> str | None:
+    if ctx.malformed_reason is None:
+        return None
+    count = ctx.malformed_streak
+    return (
+        f"{count} malformed model repl{'y' if count == 1 else 'ies'} in a row; the last: "
+        f"{ctx.malformed_reason}"
+    )
 
 
 def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ plus jsonschema and pydantic; never the kernel or a model client.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -220,12 +221,12 @@ def _validator(schema: dict[str, Any]) -> Any:
 
 def _check_schema(schema: dict[str, Any]) -> None:
     """Raise OutputError unless `schema` is a JSON Schema this module can check replies with."""
-    try:
-        json.dumps(schema, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    odd = _not_json(schema, ())
+    if odd is not None:
+        path, value = odd
         raise OutputError(
-            f"the output schema is not plain JSON ({exc}); quote dates and other special values"
-        ) from None
+            f"{value!r} is not a JSON value (a YAML date or timestamp? quote it)", path
+        )
     dialect = schema.get("$schema")
     if dialect is not None and str(dialect).rstrip("#") not in _KNOWN_DRAFTS:
         known = ", ".join(sorted(_KNOWN_DRAFTS))
@@ -237,6 +238,29 @@ def _check_schema(schema: dict[str, Any]) -> None:
             f"not a valid JSON Schema: {_cut(exc.message)}", tuple(exc.absolute_path)
         ) from None
     _check_refs(schema, ())
+
+
+def _not_json(node: Any, path: tuple[str | int, ...]) -> tuple[tuple[str | int, ...], Any] | None:
+    """The first value in `node` that JSON cannot carry (YAML dates, infinities), and where."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                return (*path, key), key
+            found = _not_json(value, (*path, key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, list):
+        for i, value in enumerate(node):
+            found = _not_json(value, (*path, i))
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, float) and not math.isfinite(node):
+        return path, node
+    if node is None or isinstance(node, str | int | float | bool):
+        return None
+    return path, node
 
 
 def _check_refs(node: Any, path: tuple[str | int, ...]) -> None:
