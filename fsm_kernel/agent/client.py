@@ -84,7 +84,10 @@ _NO_TOOLS_MARKERS = (
 )
 # A 400 naming the field: OpenAI's "Invalid parameter: 'response_format' of type 'json_schema'
 # is not supported with this model.", "Unsupported parameter: 'response_format'", and the same
-# about the schema itself ("Invalid schema for response_format 'x': ...").
+# about the schema itself ("Invalid schema for response_format 'x': ..."). llama-cpp-python's
+# server says it with a 500 ("1 validation error: {... 'loc': ('body', 'response_format',
+# 'type'), 'msg': "Input should be 'text' or 'json_object'" ...}"): any status naming the field
+# is a refusal, never worth a retry.
 _NO_FORMAT_MARKERS = ("response_format", "response format", "json_schema")
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -596,6 +599,8 @@ class HttpChatModel:
                 f"{where} answered {status}: {detail.message} — the model or server cannot "
                 "call tools"
             )
+        if status >= 500 and detail.names_response_format():
+            return AgentBadRequestError, f"{where} refused the request ({status}): {detail.message}"
         if status == 429:
             return AgentRateLimitError, f"{where} is rate limiting requests (429): {detail.message}"
         if status >= 500 or status in _RETRY_STATUSES:
@@ -679,6 +684,9 @@ class _ErrorDetail:
     def is_no_tools(self) -> bool:
         text = self.message.lower()
         return any(marker in text for marker in _NO_TOOLS_MARKERS)
+
+    def names_response_format(self) -> bool:
+        return "response_format" in self.message.lower()
 
 
 def _message_and_code(body: Any) -> tuple[str, str]:

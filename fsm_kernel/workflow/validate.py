@@ -15,7 +15,7 @@ from collections import deque
 
 from fsm_kernel.errors import WorkflowValidationError
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
-from fsm_kernel.workflow.output import OutputError, OutputSchema, output_value
+from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import TERMINATION_REASONS, WorkflowSpec
 
 __all__ = ["EVENT_NAME", "RESERVED_NAMES", "validate_workflow"]
@@ -137,7 +137,7 @@ def _check_outputs(spec: WorkflowSpec) -> None:
                 "output",
             )
     if spec.output is not None and not any(
-        output_value(spec, sid, calls_model[sid]) is spec.output for sid in spec.states
+        calls_model[sid] and s.answer and s.output is None for sid, s in spec.states.items()
     ):
         raise _fail(
             spec,

@@ -416,34 +416,51 @@ def test_a_killed_run_is_resumed_from_its_answers_without_calling_the_model(
     assert log[-1].data["output"] == {"city": "Oslo", "temp_c": 3}
 
 
-def refuse_format(body: Any) -> Any:
-    """A reply that refuses any request carrying response_format with `body` (400)."""
+def refuse_format(status: int, body: Any) -> Any:
+    """A reply that refuses any request carrying response_format with `status` and `body`."""
 
     def answer(request: dict[str, Any]) -> Any:
-        return http_error(400, body) if "response_format" in request else text_reply(OSLO)
+        return http_error(status, body) if "response_format" in request else text_reply(OSLO)
 
     return answer
 
 
+LLAMA_CPP_PYTHON_500 = {  # llama_cpp.server 0.3's answer to a json_schema response_format
+    "error": {
+        "message": "1 validation error: {'type': 'literal_error', 'loc': ('body', "
+        "'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\", "
+        "'input': 'json_schema'}",
+        "type": "internal_server_error",
+    }
+}
+
+
 @pytest.mark.parametrize(
-    "body",
+    ("status", "body"),
     [
-        {"error": "Unsupported parameter: 'response_format'"},
-        {"object": "error", "message": "json_schema response format is not supported", "code": 400},
-        "response_format is not supported by this server",
+        (400, {"error": "Unsupported parameter: 'response_format'"}),
+        (400, {"object": "error", "message": "json_schema format is not supported", "code": 400}),
+        (422, "response_format is not supported by this server"),
+        (500, LLAMA_CPP_PYTHON_500),
     ],
-    ids=["ollama-shape", "vllm-flat", "plain-text"],
+    ids=["ollama-shape", "vllm-flat", "plain-text-422", "llama-cpp-python-500"],
 )
 def test_refusals_of_the_field_in_other_shapes_fall_back_too(
-    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], body: Any
+    server: FakeOpenAIServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    status: int,
+    body: Any,
 ) -> None:
-    server.enqueue(refuse_format(body), refuse_format(body))
+    server.enqueue(refuse_format(status, body), refuse_format(status, body))
 
-    code, result = run(capsys, write(tmp_path), server.base_url, tmp_path / "r.db")
+    code, result = run(
+        capsys, write(tmp_path), server.base_url, tmp_path / "r.db", "--max-retries", "2"
+    )
 
     assert code == 0
     assert result["output"] == {"city": "Oslo", "temp_c": 3}
-    assert ["response_format" in r for r in server.requests] == [True, False]
+    assert ["response_format" in r for r in server.requests] == [True, False]  # no retry
 
 
 def test_a_refusal_about_something_else_is_not_taken_for_one_of_the_field(
