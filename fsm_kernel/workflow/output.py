@@ -147,31 +147,25 @@ class OutputSchema:
             data = json.loads(body)
         except json.JSONDecodeError as exc:
             return ReplyCheck(problem=f"is not JSON ({exc})", checked=True)
-        errors = self._model_errors(body) if self.model is not None else self._schema_errors(data)
-        if isinstance(errors, list):
+        value, errors = self._validate(body, data)
+        if errors:
             shown = "; ".join(errors[:_MAX_ERRORS])
             more = f" (and {len(errors) - _MAX_ERRORS} more)" if len(errors) > _MAX_ERRORS else ""
             return ReplyCheck(
                 problem=f"does not match the output schema: {shown}{more}", checked=True
             )
-        return ReplyCheck(value=errors, checked=True)
+        return ReplyCheck(value=value, checked=True)
 
-    def _model_errors(self, body: str) -> list[str] | Any:
-        assert self.model is not None
-        try:
-            return self.model.model_validate_json(body)
-        except PydanticValidationError as exc:
-            return [
-                _cut(f"at {_where(e['loc'])}: {e['msg']}")
-                for e in exc.errors(include_url=False, include_context=False)
-            ]
-
-    def _schema_errors(self, data: Any) -> list[str] | Any:
-        validator = _validator(self.schema)
-        found = sorted(validator.iter_errors(data), key=lambda e: _where(e.absolute_path))
-        if not found:
-            return data
-        return [_cut(f"at {_where(e.absolute_path)}: {e.message}") for e in found]
+    def _validate(self, body: str, data: Any) -> tuple[Any, list[str]]:
+        """The validated value and, when it fails, the errors, each at its path in the value."""
+        if self.model is not None:
+            try:
+                return self.model.model_validate_json(body), []
+            except PydanticValidationError as exc:
+                found = exc.errors(include_url=False, include_context=False)
+                return None, [_cut(f"at {_where(e['loc'])}: {e['msg']}") for e in found]
+        errors = sorted(_validator(self.schema).iter_errors(data), key=lambda e: _where(e.path))
+        return data, [_cut(f"at {_where(e.absolute_path)}: {e.message}") for e in errors]
 
 
 def as_json(value: Any) -> Any:

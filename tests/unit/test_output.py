@@ -425,3 +425,18 @@ def test_a_plain_answer_later_clears_the_output() -> None:
     )
 
     assert (result.response, result.output) == ("Cold.", None)
+
+
+def test_a_list_or_a_scalar_can_be_the_output() -> None:
+    tags = OutputSchema.resolve({"type": "array", "items": {"type": "string"}, "minItems": 1})
+    count = OutputSchema.resolve({"type": "integer"})
+
+    assert tags.check_text('["a", "b"]').value == ["a", "b"]
+    assert tags.check_text('["a", "b"]').problem is None
+    assert tags.check_text("[]").problem == (
+        "does not match the output schema: at $: [] should be non-empty"
+    )
+    assert count.check_text("3").value == 3
+    assert count.check_text('"3"').problem == (
+        "does not match the output schema: at $: '3' is not of type 'integer'"
+    )
