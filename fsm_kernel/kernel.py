@@ -37,6 +37,7 @@ from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
+from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.recovery import run_action
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
 
@@ -71,6 +72,9 @@ class RunResult:
     for a person (`status` "waiting"): it is not over."""
     response: str
     iterations: int
+    output: Any = None
+    """The structured output: the answer validated against the workflow's `output:` schema
+    (an instance of the pydantic model it names, or the parsed JSON); None without one."""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     error: str | None = None
@@ -103,6 +107,7 @@ class RunResult:
             "status": self.status,
             "termination_reason": None if reason is None else str(reason),
             "response": self.response,
+            "output": as_json(self.output),
             "iterations": self.iterations,
             "tool_calls": [r.to_dict() for r in self.tool_calls],
             "usage": self.usage.to_dict(),
@@ -255,6 +260,7 @@ class Kernel:
             tool_names=self.tool_names,
             approval_required=self.approval_required,
             services=services,
+            outputs=self.workflow.outputs,
             session=InMemorySession(),
         )
         ctx.session.add(Message.user(prompt))
@@ -367,6 +373,10 @@ class Kernel:
             error = ctx.fatal_error
         if self.spec.is_success(reason) and is_truncated(ctx):  # a cut-off answer is no success
             reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
+        elif self.spec.is_success(reason) and ctx.output_error is not None:  # nor a wrong one
+            reason, error = TerminationReason.MALFORMED_OUTPUT, ctx.output_error
+        if reason == TerminationReason.MALFORMED_OUTPUT and error is None:
+            error = _malformed_error(ctx)  # the workflow's own edge ended it: say why
         self._complete_iteration(ctx, recorder, ctx.current_state, error)
         response = ctx.done_answer if ctx.done_answer is not None else ctx.answer
         data: dict[str, Any] = {
@@ -374,6 +384,8 @@ class Kernel:
             "answer": response,
             "iterations": ctx.iteration,
         }
+        if ctx.output is not None:
+            data["output"] = as_json(ctx.output)
         if error:
             data["error"] = error
         if resumable:
@@ -397,6 +409,7 @@ class Kernel:
             termination_reason=reason,
             response=ctx.done_answer if ctx.done_answer is not None else ctx.answer,
             iterations=ctx.iteration,
+            output=ctx.output,
             tool_calls=list(ctx.tool_calls),
             usage=ctx.usage,
             error=error,
@@ -459,6 +472,16 @@ def _one_line(exc: Exception, state: str) -> str:
     more = " …" if len(lines) > 1 else ""
     first = lines[0] if lines else ""
     return f"{type(exc).__name__}: {first}{more} (in state {state!r})"
+
+
+def _malformed_error(ctx: RunContext) -> str | None:
+    if ctx.malformed_reason is None:
+        return None
+    count = ctx.malformed_streak
+    return (
+        f"{count} malformed model repl{'y' if count == 1 else 'ies'} in a row; the last: "
+        f"{ctx.malformed_reason}"
+    )
 
 
 def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> dict[str, Any]:

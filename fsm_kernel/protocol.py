@@ -25,6 +25,7 @@ __all__ = [
     "EventStore",
     "EventType",
     "Message",
+    "ResponseFormat",
     "Role",
     "RunSummary",
     "SystemClock",
@@ -361,6 +362,32 @@ class RunSummary:
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class ResponseFormat:
+    """Structured output: the JSON Schema a text reply must follow (a workflow's `output:`).
+
+    A model honours it by asking the server for JSON under the schema (OpenAI's
+    `response_format` of type `json_schema`) or by constraining its decoding to it; a model
+    that can do neither puts `instructions()` in the prompt. The kernel validates the reply
+    either way."""
+
+    name: str
+    """The schema's name: [A-Za-z0-9_-], at most 64 characters (what OpenAI accepts)."""
+    schema: dict[str, Any]
+    """The JSON Schema."""
+    strict: bool = False
+    """The schema meets OpenAI's strict mode (every object lists all its properties as required
+    and sets `additionalProperties: false`), so servers may be asked to enforce it exactly."""
+
+    def instructions(self, *, tools: bool = False) -> str:
+        """The request in words, for the prompt of a model that cannot be given the schema."""
+        lead = "When you answer instead of calling a tool, reply" if tools else "Reply"
+        return (
+            f"{lead} with one JSON value and nothing else (no prose, no code fence) that "
+            "conforms to this JSON Schema:\n" + json.dumps(self.schema, ensure_ascii=False)
+        )
+
+
 TOOL_CHOICES = ("auto", "none", "required", "omit")
 """How a request lets the model use the tools it offers: `auto` (it decides; sent explicitly,
 since some servers, llama.cpp's among them, leave the tools out of the prompt without it),
@@ -377,7 +404,10 @@ class ChatModel(Protocol):
 
         A state with its own `tool_choice:` calls `complete(messages, tools,
         tool_choice=...)`: models used with such workflows accept that keyword (TOOL_CHOICES
-        or a tool's name); without it, the model's own default applies."""
+        or a tool's name); without it, the model's own default applies. Likewise a state with
+        an output schema (`output:`) calls `complete(..., response_format=ResponseFormat(...))`
+        and validates the reply; a model that ignores the schema still works, its replies
+        checked all the same."""
         ...
 
 

@@ -40,6 +40,7 @@ from fsm_kernel.protocol import (
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.compiler import CompiledWorkflow
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
+from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.spec import Limits
 
 __all__ = [
@@ -450,11 +451,20 @@ class ReplayReport:
     replayed_reason: str
     model_calls: int
     error: str | None = None
+    recorded_output: Any = None
+    """The structured output the run ended with (JSON data), None without one."""
+    replayed_output: Any = None
+    """The structured output the replay ended with, parsed again from the recorded answers."""
 
     @property
     def identical(self) -> bool:
-        return all(s.same for s in self.steps) and (
-            self.recorded_reason is None or self.recorded_reason == self.replayed_reason
+        if not all(s.same for s in self.steps):
+            return False
+        if self.recorded_reason is None or self.recorded_reason in _EXTERNAL_ENDINGS:
+            return True  # killed, timed out, cancelled: the recorded steps are what counts
+        return (
+            self.recorded_reason == self.replayed_reason
+            and self.recorded_output == self.replayed_output
         )
 
     @property
@@ -472,6 +482,8 @@ class ReplayReport:
             "model_calls_served": self.model_calls,
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,
+            "recorded_output": self.recorded_output,
+            "replayed_output": self.replayed_output,
         }
 
 
@@ -536,6 +548,8 @@ async def replay_run(
         else str(result.termination_reason or result.status),
         model.served,
         result.error,
+        recorded_output=run.terminated.data.get("output") if run.terminated else None,
+        replayed_output=as_json(result.output),
     )
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "TextDelta",
     "deltas_to",
     "emit_notice",
+    "emit_notice_once",
     "emit_text",
     "is_watched",
 ]
@@ -47,15 +48,19 @@ class StreamNotice:
 StreamSink = Callable[[TextDelta | StreamNotice], None]
 
 _sink: ContextVar[StreamSink | None] = ContextVar("fsm_kernel_stream_sink", default=None)
+_noticed: ContextVar[set[str] | None] = ContextVar("fsm_kernel_stream_noticed", default=None)
+"""The kinds `emit_notice_once` has sent to the current sink."""
 
 
 @contextmanager
 def deltas_to(sink: StreamSink | None) -> Iterator[None]:
     """Send what models emit in this context (and the tasks and threads it starts) to `sink`."""
     token = _sink.set(sink)
+    noticed = _noticed.set(set())
     try:
         yield
     finally:
+        _noticed.reset(noticed)
         _sink.reset(token)
 
 
@@ -76,3 +81,13 @@ def emit_notice(kind: str, **detail: Any) -> None:
     sink = _sink.get()
     if sink is not None:
         sink(StreamNotice(kind, dict(detail)))
+
+
+def emit_notice_once(kind: str, **detail: Any) -> None:
+    """`emit_notice`, at most once per kind for the current sink (one run): for a condition a
+    model meets again on every call, such as a server that refuses a request field."""
+    noticed = _noticed.get()
+    if noticed is None or kind in noticed:
+        return
+    noticed.add(kind)
+    emit_notice(kind, **detail)

@@ -34,6 +34,8 @@ from fsm_kernel.agent.wire import (
     chunk_from_sse,
     completion_from_wire,
     messages_to_wire,
+    messages_with_instructions,
+    response_format_to_wire,
     tool_choice_to_wire,
     tools_to_wire,
 )
@@ -50,9 +52,9 @@ from fsm_kernel.errors import (
     AgentTimeoutError,
     ConfigError,
 )
-from fsm_kernel.protocol import Completion, Message, Tool
+from fsm_kernel.protocol import Completion, Message, ResponseFormat, Tool
 from fsm_kernel.redact import redact, register_secret
-from fsm_kernel.streaming import emit_notice, emit_text
+from fsm_kernel.streaming import emit_notice, emit_notice_once, emit_text
 
 __all__ = ["HttpChatModel"]
 
@@ -80,6 +82,13 @@ _NO_TOOLS_MARKERS = (
     "support tool use",
     "unsupported param: tools",
 )
+# A 400 naming the field: OpenAI's "Invalid parameter: 'response_format' of type 'json_schema'
+# is not supported with this model.", "Unsupported parameter: 'response_format'", and the same
+# about the schema itself ("Invalid schema for response_format 'x': ..."). llama-cpp-python's
+# server says it with a 500 ("1 validation error: {... 'loc': ('body', 'response_format',
+# 'type'), 'msg': "Input should be 'text' or 'json_object'" ...}"): any status naming the field
+# is a refusal, never worth a retry.
+_NO_FORMAT_MARKERS = ("response_format", "response format", "json_schema")
 
 Sleep = Callable[[float], Awaitable[None]]
 _E = TypeVar("_E", bound=AgentError)
@@ -129,6 +138,12 @@ class HttpChatModel:
     again with that, and a server that refuses the default cap as too large for its context
     (vLLM) is asked again without it; either is remembered by this instance and logged.
 
+    A request given a `response_format` (a state's output schema) asks for JSON under it
+    (`response_format` of type `json_schema`). A server that rejects the field (a 400 naming
+    it) is asked again with the schema in the prompt instead, and so is every later request of
+    this instance: a warning says so once, and the notice `response_format_fallback` once in
+    the log of each run that asks that way.
+
     Usable from several event loops in turn (connections are not kept alive between calls).
     Close it with `aclose()` or use it as an async context manager.
     """
@@ -166,6 +181,8 @@ class HttpChatModel:
         """False once the server has streamed badly: every later call asks without."""
         self._cap = _ReplyCap.of(settings)
         """How each reply is capped: the field and the value, as this server accepts them."""
+        self._format_refused: str | None = None
+        """Why the server rejected `response_format`, once it has: the schema goes in the prompt."""
         self._client = httpx.AsyncClient(
             auth=auth,
             headers=_headers(settings.api_key),
@@ -205,26 +222,44 @@ class HttpChatModel:
         tools: Sequence[Tool],
         *,
         tool_choice: str | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Completion:
         """Ask the model once, retrying transient failures. `tool_choice` (a state's) overrides
-        the settings' for this request.
+        the settings' for this request; `response_format` asks for JSON under a schema.
 
         Raises:
             AgentError: the subclass says why no usable answer could be had.
         """
         choice = tool_choice or self._settings.tool_choice
         while True:
+            payload = self._payload(messages, tools, choice, response_format)
             try:
-                return await self._with_retries(self._payload(messages, tools, choice))
+                return await self._with_retries(payload)
             except AgentBadRequestError as exc:
-                if not self._cap.adapt(exc.message):
+                if not self._adapt(exc.message, "response_format" in payload):
                     raise
-                logger.warning(
-                    "model server at %s refused the reply cap (%s); %s from now on",
-                    self._shown_url,
-                    exc.message,
-                    self._cap.describe(),
-                )
+
+    def _adapt(self, refusal: str, sent_format: bool) -> bool:
+        """Change what later requests send after a 400 that refused part of this one: the
+        reply cap, or `response_format`. False when there is nothing to change."""
+        if self._cap.adapt(refusal):
+            logger.warning(
+                "model server at %s refused the reply cap (%s); %s from now on",
+                self._shown_url,
+                refusal,
+                self._cap.describe(),
+            )
+            return True
+        if sent_format and any(m in refusal.lower() for m in _NO_FORMAT_MARKERS):
+            self._format_refused = refusal
+            logger.warning(
+                "model server at %s rejected response_format (%s); asking for JSON in the "
+                "prompt from now on",
+                self._shown_url,
+                refusal,
+            )
+            return True
+        return False
 
     async def _with_retries(self, payload: dict[str, Any]) -> Completion:
         """One request, retried on transient failures with backoff."""
@@ -247,12 +282,22 @@ class HttpChatModel:
                 await self._sleep(delay)
 
     def _payload(
-        self, messages: Sequence[Message], tools: Sequence[Tool], tool_choice: str
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool],
+        tool_choice: str,
+        response_format: ResponseFormat | None = None,
     ) -> dict[str, Any]:
+        if response_format is not None and self._format_refused is not None:
+            instructions = response_format.instructions(tools=bool(tools))
+            messages = messages_with_instructions(messages, instructions)
+            emit_notice_once("response_format_fallback", reason=self._format_refused)
         payload: dict[str, Any] = {
             "model": self._settings.model,
             "messages": messages_to_wire(messages),
         }
+        if response_format is not None and self._format_refused is None:
+            payload["response_format"] = response_format_to_wire(response_format)
         if tools:
             payload["tools"] = tools_to_wire(tools)
             if tool_choice != "omit":
@@ -554,6 +599,8 @@ class HttpChatModel:
                 f"{where} answered {status}: {detail.message} — the model or server cannot "
                 "call tools"
             )
+        if status >= 500 and detail.names_response_format():
+            return AgentBadRequestError, f"{where} refused the request ({status}): {detail.message}"
         if status == 429:
             return AgentRateLimitError, f"{where} is rate limiting requests (429): {detail.message}"
         if status >= 500 or status in _RETRY_STATUSES:
@@ -637,6 +684,9 @@ class _ErrorDetail:
     def is_no_tools(self) -> bool:
         text = self.message.lower()
         return any(marker in text for marker in _NO_TOOLS_MARKERS)
+
+    def names_response_format(self) -> bool:
+        return "response_format" in self.message.lower()
 
 
 def _message_and_code(body: Any) -> tuple[str, str]:

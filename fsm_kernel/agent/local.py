@@ -5,7 +5,8 @@ Imports protocol, errors and agent.wire only; llama_cpp is imported lazily, on f
 A request that offers tools is answered in two constrained steps: first the next step, chosen
 by a GBNF grammar among `answer` and the offered tools' names; then, for a tool, its arguments,
 generated under a grammar built from the tool's JSON schema. An answer is free text generated
-from the conversation without the tool list.
+from the conversation without the tool list, or, given a `response_format` (structured output),
+JSON generated under a grammar built from its schema, with the schema in the system turn.
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from fsm_kernel.agent.wire import new_call_id
+from fsm_kernel.agent.wire import messages_with_instructions, new_call_id
 from fsm_kernel.errors import AgentError, ConfigError
-from fsm_kernel.protocol import TOOL_CHOICES, Completion, Message, Role, Tool, ToolCall, Usage
+from fsm_kernel.protocol import (
+    TOOL_CHOICES,
+    Completion,
+    Message,
+    ResponseFormat,
+    Role,
+    Tool,
+    ToolCall,
+    Usage,
+)
 from fsm_kernel.streaming import emit_text, is_watched
 
 __all__ = [
@@ -314,16 +324,19 @@ class LocalChatModel:
         tools: Sequence[Tool],
         *,
         tool_choice: str | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Completion:
-        """Answer the conversation: with text, or with exactly one well-formed tool call.
+        """Answer the conversation: with text (JSON under `response_format`'s schema when one
+        is given), or with exactly one well-formed tool call.
 
         Raises:
             AgentError: the model does not load, the conversation does not fit the context,
                 or `tool_choice` names a tool that is not offered.
         """
-        plan = _Plan.make(tools, tool_choice or self._tool_choice)
+        plan = _Plan.make(tools, tool_choice or self._tool_choice, response_format)
         if self._answer_after_result and plan.may_answer and _just_answered(messages):
-            plan, messages = _Plan(tools=(), may_answer=True), _focused(messages)
+            plan = _Plan(tools=(), may_answer=True, response_format=response_format)
+            messages = _focused(messages)
         cancel = threading.Event()
         stream = _text_streamer() if is_watched() else None
         try:
@@ -516,13 +529,18 @@ class _Plan:
 
     tools: tuple[Tool, ...]
     may_answer: bool
+    response_format: ResponseFormat | None = None
+    """The schema an answer follows (structured output), if any."""
 
     @classmethod
-    def make(cls, tools: Sequence[Tool], tool_choice: str) -> _Plan:
+    def make(
+        cls, tools: Sequence[Tool], tool_choice: str, response_format: ResponseFormat | None = None
+    ) -> _Plan:
         if not tools or tool_choice == "none":
-            return cls(tools=(), may_answer=True)
+            return cls(tools=(), may_answer=True, response_format=response_format)
         if tool_choice in TOOL_CHOICES:  # auto, omit (the field is for servers), required
-            return cls(tools=tuple(tools), may_answer=tool_choice != "required")
+            may_answer = tool_choice != "required"
+            return cls(tools=tuple(tools), may_answer=may_answer, response_format=response_format)
         named = [t for t in tools if t.name == tool_choice]
         if not named:
             offered = ", ".join(t.name for t in tools)
@@ -620,8 +638,17 @@ class _Turn:
         return self.model._completion(Message.assistant("", [call]), finish, self.usage)
 
     def _answer(self) -> Completion:
+        fmt = self.plan.response_format
+        messages = self.messages
+        grammar = None
+        if fmt is not None:
+            messages = messages_with_instructions(messages, fmt.instructions())
+            grammar = _json_grammar(fmt.schema)
         generated = self._generate(
-            render_turns(self.messages), max_tokens=self.model.max_tokens, stream=self.stream
+            render_turns(messages),
+            grammar=grammar,
+            max_tokens=self.model.max_tokens,
+            stream=self.stream,
         )
         finish = "length" if generated.finish_reason == "length" else "stop"
         message = Message.assistant(generated.text.strip())
@@ -739,6 +766,18 @@ def _type_text(prop: dict[str, Any]) -> str:
 
 def _gbnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # a JSON string is a valid GBNF literal
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    """GBNF for an answer under an output schema: JSON valid under it, or any JSON value when
+    llama.cpp's converter cannot handle the schema (the kernel validates the answer anyway)."""
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    try:
+        return str(json_schema_to_gbnf(json.dumps(schema)))
+    except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
+        logger.warning("the output schema is not usable as a grammar (%s): any object allowed", exc)
+        return str(JSON_GBNF)
 
 
 def _arguments_grammar(schema: dict[str, Any]) -> str:

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_kernel.errors import AgentResponseError
-from fsm_kernel.protocol import TOOL_CHOICES, Completion, Message, Role, Tool, ToolCall, Usage
+from fsm_kernel.protocol import (
+    TOOL_CHOICES,
+    Completion,
+    Message,
+    ResponseFormat,
+    Role,
+    Tool,
+    ToolCall,
+    Usage,
+)
 
 __all__ = [
     "SseDecoder",
@@ -28,7 +37,9 @@ __all__ = [
     "message_from_wire",
     "messages_from_wire",
     "messages_to_wire",
+    "messages_with_instructions",
     "new_call_id",
+    "response_format_to_wire",
     "tool_choice_to_wire",
     "tools_to_wire",
 ]
@@ -114,6 +125,26 @@ def tool_choice_to_wire(choice: str) -> str | dict[str, Any]:
     if choice in TOOL_CHOICES:
         return choice
     return {"type": "function", "function": {"name": choice}}
+
+
+def response_format_to_wire(fmt: ResponseFormat) -> dict[str, Any]:
+    """The `response_format` of a request that asks for JSON under a schema."""
+    schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema}
+    if fmt.strict:
+        schema["strict"] = True
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def messages_with_instructions(messages: Sequence[Message], text: str) -> list[Message]:
+    """`messages` with `text` appended to the first system message (one is put first when there
+    is none): chat templates that allow a single system message, at the start, accept it."""
+    out = list(messages)
+    for i, message in enumerate(out):
+        if message.role is Role.SYSTEM:
+            joined = f"{message.content}\n\n{text}" if message.content else text
+            out[i] = Message.system(joined)
+            return out
+    return [Message.system(text), *out]
 
 
 # --- wire -> protocol ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from fsm_kernel.protocol import Completion, Message, Tool
+from fsm_kernel.protocol import Completion, Message, ResponseFormat, Tool
 from fsm_kernel.testing._replies import ReplyLike, as_completion
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
@@ -43,6 +43,8 @@ class ModelRequest:
     tools: tuple[Tool, ...]
     tool_choice: str | None = None
     """The state's `tool_choice:`, when it set one."""
+    response_format: ResponseFormat | None = None
+    """The state's output schema (`output:`), when it has one."""
 
     @property
     def tool_names(self) -> list[str]:
@@ -88,9 +90,16 @@ class ScriptedChatModel:
         return len(self._script)
 
     async def complete(
-        self, messages: Sequence[Message], tools: Sequence[Tool], *, tool_choice: str | None = None
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool],
+        *,
+        tool_choice: str | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Completion:
-        self.requests.append(ModelRequest(tuple(messages), tuple(tools), tool_choice))
+        self.requests.append(
+            ModelRequest(tuple(messages), tuple(tools), tool_choice, response_format)
+        )
         if not self._script:
             self.failure = ScriptExhaustedError(self._exhausted_message())
             logger.warning("scripted model: %s", self.failure)
@@ -140,9 +149,16 @@ class FunctionChatModel:
         otherwise only end the run as `error`; `WorkflowHarness.run` raises it again)."""
 
     async def complete(
-        self, messages: Sequence[Message], tools: Sequence[Tool], *, tool_choice: str | None = None
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool],
+        *,
+        tool_choice: str | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Completion:
-        self.requests.append(ModelRequest(tuple(messages), tuple(tools), tool_choice))
+        self.requests.append(
+            ModelRequest(tuple(messages), tuple(tools), tool_choice, response_format)
+        )
         try:
             result = self._fn(list(messages), list(tools))
             if inspect.isawaitable(result):

@@ -130,7 +130,11 @@ def _malformed_reason(completion: Completion, offered: set[str]) -> str | None:
 
 
 def _refuse_malformed(ctx: RunContext, completion: Completion, reason: str) -> None:
-    """Answer every call of a malformed reply with an error, so the model can retry."""
+    """Answer every call of a malformed reply with an error (a text reply that fails the output
+    schema: with a user message saying why), so the model can retry."""
+    if not completion.message.tool_calls:
+        _ask_again(ctx, reason)
+        return
     for call in completion.message.tool_calls:
         result = ToolResult(
             content=f"error: your reply was not executed: {reason}. Reply again with valid "
@@ -139,6 +143,17 @@ def _refuse_malformed(ctx: RunContext, completion: Completion, reason: str) -> N
             error_type="MalformedOutput",
         )
         _add_tool_result(ctx, call, result, duration_ms=0.0, malformed=True)
+
+
+def _ask_again(ctx: RunContext, reason: str) -> None:
+    schema = ctx.output_schema
+    shown = json.dumps(schema.schema, ensure_ascii=False) if schema is not None else "{}"
+    message = Message.user(
+        f"Your reply was not accepted: {reason}. Reply again with only a JSON value that "
+        f"matches this JSON Schema:\n{shown}"
+    )
+    ctx.session.add(message)
+    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
 
 
 async def agent_think(ctx: RunContext) -> None:
@@ -152,21 +167,19 @@ async def agent_think(ctx: RunContext) -> None:
         ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
     offered = ctx.offered_tools()
     messages = ctx.messages_for_model()
+    options = _request_options(ctx)
     if not retrying:
         ctx.iteration += 1
     requested: dict[str, Any] = {"messages": len(messages), "tools": [t.name for t in offered]}
     if retrying:
         requested["attempt"] = ctx.attempt
+    if "response_format" in options:
+        requested["output"] = options["response_format"].name
     ctx.record(EventType.MODEL_REQUESTED, requested)
     await ctx.flush()  # before waiting on the model, the log shows what the run is waiting for
     started = ctx.clock.monotonic()
-    choice = ctx.state_spec.tool_choice
     try:
-        completion = await (  # only when the state sets one: a user's model need not know it
-            ctx.model.complete(messages, offered, tool_choice=choice)  # type: ignore[call-arg]
-            if choice is not None
-            else ctx.model.complete(messages, offered)
-        )
+        completion = await ctx.model.complete(messages, offered, **options)
     except AgentError as exc:  # retried, caught or the end of the run; the log says which call
         ctx.record(EventType.MODEL_FAILED, {"error": exc.to_dict()})
         raise
@@ -177,13 +190,30 @@ async def agent_think(ctx: RunContext) -> None:
     apply_completion(ctx, completion, {t.name for t in offered})
 
 
+def _request_options(ctx: RunContext) -> dict[str, Any]:
+    """The keywords of `complete()` this state sets, and only those: a user's model need not
+    know them (see ChatModel)."""
+    options: dict[str, Any] = {}
+    if ctx.state_spec.tool_choice is not None:
+        options["tool_choice"] = ctx.state_spec.tool_choice
+    schema = ctx.output_schema
+    if schema is not None:
+        options["response_format"] = schema.response_format()
+    return options
+
+
 def apply_completion(ctx: RunContext, completion: Completion, offered: set[str]) -> None:
-    """Fold a model answer into the context (shared by live runs and resume)."""
+    """Fold a model answer into the context (shared by live runs and resume): a reply whose
+    answer fails the state's output schema is malformed, like a call of a tool not offered."""
     ctx.last_completion = completion
     ctx.completion_iteration = ctx.iteration
     ctx.usage = ctx.usage + completion.usage
     ctx.session.add(completion.message)
-    ctx.malformed_reason = _malformed_reason(completion, offered)
+    schema = ctx.output_schema
+    check = schema.check_reply(completion) if schema is not None else None
+    ctx.last_output = check.value if check is not None else None
+    ctx.output_error = check.problem if check is not None else None
+    ctx.malformed_reason = _malformed_reason(completion, offered) or ctx.output_error
     if ctx.malformed_reason is not None:
         ctx.malformed_streak += 1
         _refuse_malformed(ctx, completion, ctx.malformed_reason)
@@ -191,6 +221,7 @@ def apply_completion(ctx: RunContext, completion: Completion, offered: set[str])
     ctx.malformed_streak = 0
     if not completion.message.tool_calls and ctx.state_spec.answer:
         ctx.answer = completion.message.content
+        ctx.output = ctx.last_output
 
 
 def _add_tool_result(
@@ -284,6 +315,7 @@ def update_tool_counters(ctx: RunContext) -> None:
         if call.name == DONE_TOOL and not result.is_error:
             ctx.done_answer = str(call.arguments.get("answer", result.content))
             ctx.answer = ctx.done_answer
+            ctx.output = ctx.last_output  # the answer as its reply was validated, if it was
 
 
 async def kernel_evaluate(ctx: RunContext) -> None:

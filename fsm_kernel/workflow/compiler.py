@@ -19,6 +19,7 @@ from statemachine.io import create_machine_class_from_definition
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
 from fsm_kernel.workflow.spec import CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
 from fsm_kernel.workflow.validate import EVENT_NAME
@@ -112,13 +113,16 @@ class Machine:
 
 
 class CompiledWorkflow:
-    """A workflow ready to run: its machine class and its resolved actions."""
+    """A workflow ready to run: its machine class, its resolved actions and output schemas."""
 
     def __init__(self, spec: WorkflowSpec) -> None:
         self.spec = spec
         self.actions: dict[str, ActionDef] = {
             sid: resolve_action(s.action) for sid, s in spec.states.items() if s.action
         }
+        self.outputs: dict[str, OutputSchema] = resolve_outputs(
+            spec, [sid for sid, a in self.actions.items() if a.calls_model]
+        )
         self.machine_class = _build_class(spec)
         self.user_guards = any(
             ":" in name for t in spec.transitions for name in (*t.guard, *t.unless)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.protocol import (
     ChatModel,
@@ -28,6 +28,9 @@ from fsm_kernel.protocol import (
 from fsm_kernel.session import InMemorySession, Session
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, SuspendingChannel
 from fsm_kernel.workflow.spec import Limits, StateSpec
+
+if TYPE_CHECKING:
+    from fsm_kernel.workflow.output import OutputSchema
 
 __all__ = [
     "CaughtError",
@@ -158,6 +161,8 @@ class RunContext:
     approval_required: frozenset[str] = frozenset()
     """The tools whose every call a person approves first (`approval: required`)."""
     services: RunServices = field(default_factory=RunServices)
+    outputs: Mapping[str, OutputSchema] = field(default_factory=dict)
+    """The output schema of each state that has one (see `output_schema`)."""
 
     # -- the run's state --
     session: Session = field(default_factory=InMemorySession)
@@ -184,6 +189,14 @@ class RunContext:
     answer: str = ""
     """The run's response: the latest text reply of a state whose `answer:` is true (every
     state by default; a plan or a critique is not the answer)."""
+    output: Any = None
+    """The run's structured output: `answer` validated against its state's output schema (the
+    pydantic model's instance, or the parsed JSON); None when that answer had no schema."""
+    last_output: Any = None
+    """The last reply's answer validated against its state's output schema, whichever the state
+    (for guards and own actions); None when it had no schema or failed it."""
+    output_error: str | None = None
+    """Why the last reply failed its state's output schema (it is then malformed output)."""
     usage: Usage = field(default_factory=Usage)
     summary: str = ""
     """A one-line state summary written by the evaluate step, kept in the iteration record."""
@@ -220,6 +233,11 @@ class RunContext:
     async def flush(self) -> None:
         """Wait until the events recorded so far are durable (call before a side effect)."""
         await self.services.flush()
+
+    @property
+    def output_schema(self) -> OutputSchema | None:
+        """The output schema of the current state, if it has one."""
+        return self.outputs.get(self.current_state)
 
     def offered_tools(self) -> list[Tool]:
         """The tools to offer in the current state."""

@@ -5,11 +5,20 @@ Pure data: no YAML parsing here (loader.py) and no python-statemachine (compiler
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    WithJsonSchema,
+)
 
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
 
@@ -116,6 +125,40 @@ NameList = Annotated[
     WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
 ]
 """A name or a list of names (`guard: x` is `guard: [x]`)."""
+
+
+OUTPUT_REF = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
+"""A `package.module:Model` reference as `output:` takes it."""
+
+
+def _output(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and re.match(OUTPUT_REF, value):
+        return value
+    raise ValueError(
+        "must be a JSON Schema (a mapping) or a 'package.module:Model' reference to a pydantic "
+        "model"
+    )
+
+
+OutputValue = Annotated[
+    dict[str, Any] | str,
+    PlainValidator(_output),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "object", "description": "A JSON Schema"},
+                {
+                    "type": "string",
+                    "pattern": OUTPUT_REF,
+                    "description": "package.module:Model, a pydantic model",
+                },
+            ]
+        }
+    ),
+]
+"""Structured output: a JSON Schema, or a reference to a pydantic model."""
 
 
 class _Model(BaseModel):
@@ -361,6 +404,13 @@ class StateSpec(_Model):
         "state's calls, over the run's (workflow agent: block, environment, flags), e.g. a "
         "fallback model",
     )
+    output: OutputValue | None = Field(
+        default=None,
+        description="For states whose action calls the model: the JSON Schema (a mapping) or "
+        "the pydantic model (package.module:Model) its text reply must match. The reply is asked "
+        "for as JSON under it and validated; an invalid one is malformed output. Default: the "
+        "workflow's `output:` where `answer` is true.",
+    )
 
 
 class TransitionSpec(_Model):
@@ -429,6 +479,13 @@ class WorkflowSpec(_Model):
         "{name: ..., approval: required} for tools a person must approve before each call",
     )
     limits: Limits = Field(default_factory=Limits)
+    output: OutputValue | None = Field(
+        default=None,
+        description="Structured output: the JSON Schema (a mapping) or the pydantic model "
+        "(package.module:Model) the run's answer must match, for every state whose action calls "
+        "the model and whose `answer` is true (a state's own `output:` wins). The validated "
+        "value is the run's `output`.",
+    )
     reasons: dict[str, ReasonSpec] = Field(
         default_factory=dict,
         description="The workflow's own termination reasons, for its edges into final states: "

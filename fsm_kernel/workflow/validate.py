@@ -3,9 +3,10 @@
 Structure (states, targets, reachability, final states), names (reserved by
 python-statemachine, clashing with the machine's one event; the workflow's own termination
 reasons: snake_case, never a built-in's), references (actions, guards, termination reasons),
-`answer: false` and `agent:` only where the action calls the model, and `retry:`/`catch:` only
-where there is an action (catch targets checked like transition targets). Tool names are
-checked by the kernel, which owns the registry.
+`answer: false`, `output:` and `agent:` only where the action calls the model, every `output:`
+a valid JSON Schema or an importable pydantic model, and `retry:`/`catch:` only where there is
+an action (catch targets checked like transition targets). Tool names are checked by the
+kernel, which owns the registry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import deque
 
 from fsm_kernel.errors import WorkflowValidationError
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
+from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import TERMINATION_REASONS, StateSpec, WorkflowSpec
 
 __all__ = ["EVENT_NAME", "RESERVED_NAMES", "validate_workflow"]
@@ -106,6 +108,43 @@ def _check_answer_flags(spec: WorkflowSpec) -> None:
             "states",
             sid,
             "answer",
+        )
+
+
+def _check_outputs(spec: WorkflowSpec) -> None:
+    """Each `output:` resolves (at the node the problem is in) and applies somewhere: a state's
+    own needs an action that calls the model, the workflow's a state whose reply is the answer."""
+    calls_model = {
+        sid: bool(s.action) and resolve_action(str(s.action)).calls_model
+        for sid, s in spec.states.items()
+    }
+    places: list[tuple[tuple[str, ...], object]] = [(("output",), spec.output)]
+    places += [(("states", sid, "output"), s.output) for sid, s in spec.states.items()]
+    for where, value in places:
+        if not isinstance(value, dict | str):
+            continue
+        try:
+            OutputSchema.resolve(value)
+        except OutputError as exc:
+            raise _fail(spec, f"output: {exc.message}", *where, *exc.path) from None
+    for sid, state in spec.states.items():
+        if state.output is not None and not calls_model[sid]:
+            raise _fail(
+                spec,
+                f"'output' does nothing on state {sid!r}: only a state whose action calls the "
+                "model (agent.think) replies with an answer",
+                "states",
+                sid,
+                "output",
+            )
+    if spec.output is not None and not any(
+        calls_model[sid] and s.answer and s.output is None for sid, s in spec.states.items()
+    ):
+        raise _fail(
+            spec,
+            "'output' applies to no state: no state whose action calls the model has "
+            "'answer: true' without an 'output' of its own",
+            "output",
         )
 
 
@@ -277,5 +316,6 @@ def validate_workflow(spec: WorkflowSpec) -> None:
     _check_refs(spec)
     _check_answer_flags(spec)
     _check_recovery(spec)
+    _check_outputs(spec)
     _check_fallbacks(spec)
     _check_graph(spec)

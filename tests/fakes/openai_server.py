@@ -61,6 +61,11 @@ streams. Other replies (errors, raw bodies, plain dicts) are sent as they are; w
 Connections close after each answer unless `keep_alive=True` (then they stay open as with a
 real server; `stop()` still ends them at once).
 
+With `reject_response_format=True` the server is one that cannot do structured output: a
+request carrying `response_format` is answered 400 with OpenAI's own message for a model without
+it ("Invalid parameter: 'response_format' of type 'json_schema' is not supported with this
+model."), using no scripted reply (the request is still in `.requests`; `.rejected` counts them).
+
 With `strict=True` (the default) the server also enforces OpenAI's message-ordering rules and
 answers 400 with OpenAI's own messages, as the real API does: a `tool` message must answer a
 call of the assistant message before it, and every call must be answered before the next
@@ -81,8 +86,8 @@ Script mode, for running the `fsm-kernel` CLI in a subprocess::
 "done": true}`, `{"disconnect": true}`, `{"body": {...}}` (sent as-is), or a bare string (a
 text reply). The server prints `READY http://127.0.0.1:PORT/v1` on one line (flushed)
 and serves until killed; `--requests-log FILE` appends each request body as a JSON line, flushed
-at once so it survives a SIGKILL of the client. Run it from the repository root (or run the file
-directly: `python tests/fakes/openai_server.py ...`).
+at once so it survives a SIGKILL of the client; `--reject-response-format` as above. Run it
+from the repository root (or run the file directly: `python tests/fakes/openai_server.py ...`).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ __all__ = [
     "API_KEY",
     "AUTHORIZATION",
     "ENDPOINT",
+    "NO_RESPONSE_FORMAT",
     "OLLAMA_STYLE",
     "OPENAI_STYLE",
     "FakeOpenAIServer",
@@ -140,6 +146,10 @@ AUTHORIZATION = "$AUTHORIZATION"
 """In an `echo_auth` reply: replaced by the request's whole Authorization header value."""
 API_KEY = "$API_KEY"
 """In an `echo_auth` reply: replaced by the Authorization value without its `Bearer ` prefix."""
+NO_RESPONSE_FORMAT = (
+    "Invalid parameter: 'response_format' of type 'json_schema' is not supported with this model."
+)
+"""OpenAI's 400 message for a model without structured output (`reject_response_format`)."""
 _CHUNK_SIZE = 64 * 1024
 _JSON = "application/json"
 _EVENT_STREAM = "text/event-stream"
@@ -506,8 +516,11 @@ class FakeOpenAIServer:
         keep_alive: bool = False,
         requests_log: Path | str | None = None,
         stream_style: StreamStyle | None = OPENAI_STYLE,
+        reject_response_format: bool = False,
     ) -> None:
         self._queue: deque[ReplyLike] = deque(replies)
+        self._reject_response_format = reject_response_format
+        self._rejected = 0
         self._stream_style = stream_style
         self._port = port
         self._strict = strict
@@ -603,6 +616,12 @@ class FakeOpenAIServer:
             return list(self._errors)
 
     @property
+    def rejected(self) -> int:
+        """Requests refused for their `response_format` (`reject_response_format`)."""
+        with self._lock:
+            return self._rejected
+
+    @property
     def pending(self) -> int:
         """Replies not used yet."""
         with self._lock:
@@ -677,6 +696,12 @@ class FakeOpenAIServer:
         if problem is not None:
             self._error(f"request #{len(self.requests)} rejected: {problem}")
             return http_error(400, _error_body(problem))
+        if self._reject_response_format and "response_format" in request:
+            with self._lock:
+                self._rejected += 1
+            body = _error_body(NO_RESPONSE_FORMAT)
+            body["error"]["param"] = "response_format"
+            return http_error(400, body)
         return self._next_reply(request)
 
     def _track(self, connection: socket.socket, *, active: bool) -> None:
@@ -843,6 +868,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-strict", action="store_true", help="do not enforce OpenAI's message-order rules"
     )
+    parser.add_argument(
+        "--reject-response-format",
+        action="store_true",
+        help="answer 400 to every request carrying response_format",
+    )
     return parser.parse_args(argv)
 
 
@@ -869,7 +899,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     server = FakeOpenAIServer(
-        *replies, port=args.port, strict=not args.no_strict, requests_log=args.requests_log
+        *replies,
+        port=args.port,
+        strict=not args.no_strict,
+        requests_log=args.requests_log,
+        reject_response_format=args.reject_response_format,
     )
     with server:
         sys.stdout.write(f"READY {server.base_url}\n")

@@ -38,6 +38,7 @@ RESULT_KEYS = {
     "status",
     "termination_reason",
     "response",
+    "output",
     "iterations",
     "tool_calls",
     "usage",

@@ -27,7 +27,8 @@ import pytest
 from fsm_kernel.agent import HttpChatModel
 from fsm_kernel.agent.local import bundled_gguf
 from fsm_kernel.config import AgentSettings
-from fsm_kernel.protocol import Completion, Message, Tool, ToolCall, ToolResult
+from fsm_kernel.protocol import Completion, Message, ResponseFormat, Tool, ToolCall, ToolResult
+from fsm_kernel.streaming import StreamNotice, deltas_to
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -210,3 +211,42 @@ def test_a_conversation_with_a_tool_turn_is_accepted(
         assert tool_call.name == "datetime"
         assert tool_call.arguments_error is None
     assert completion.message.tool_calls or completion.message.content.strip()
+
+
+def test_a_refused_response_format_falls_back_to_the_prompt(server: LlamaServer) -> None:
+    # llama_cpp.server knows response_format types `text` and `json_object` only: it refuses
+    # `json_schema` with a 500 naming the field, which the client takes for a refusal.
+    fmt = ResponseFormat(
+        name="capital",
+        schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    )
+    settings = AgentSettings(
+        base_url=server.base_url, model="local", temperature=0.0, max_retries=2,
+        request_timeout=60.0,
+    )  # fmt: skip
+    recorder = Recorder()
+    seen: list[object] = []
+
+    async def go() -> Completion:
+        async with HttpChatModel(settings, transport=recorder) as model:
+            question = [SYSTEM, Message.user("What is the capital of France?")]
+            with deltas_to(seen.append):
+                return await model.complete(question, [], response_format=fmt)
+
+    completion = asyncio.run(go())
+
+    assert recorder.statuses == [500, 200]
+    refused, asked = recorder.bodies
+    assert refused["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "capital", "schema": fmt.schema},
+    }
+    assert "response_format" not in asked
+    assert asked["messages"][0] == {
+        "role": "system",
+        "content": f"{SYSTEM.content}\n\n{fmt.instructions()}",
+    }
+    (notice,) = [item for item in seen if isinstance(item, StreamNotice)]
+    assert notice.kind == "response_format_fallback"
+    assert "'response_format'" in notice.detail["reason"]
+    assert completion.message.content.strip()  # an answer (whether it is JSON, the kernel checks)

@@ -912,11 +912,13 @@ def test_result_to_dict_is_json(tmp_path: Path) -> None:
         "status",
         "termination_reason",
         "response",
+        "output",
         "iterations",
         "tool_calls",
         "usage",
         "error",
     }
+    assert d["output"] is None  # the workflow has no output schema
     assert d["termination_reason"] == "agent_error"
     assert set(d["tool_calls"][0]) == {"iteration", "id", "name", "arguments", "result", "is_error"}
 
