@@ -496,3 +496,39 @@ def test_the_diagram_of_a_waiting_run_says_it_waits_where(
     assert "waiting for a person in act after 2 transitions" in waiting.out
     assert "waiting for a person" not in ended.out
     assert "final_answer after" in ended.out
+
+
+def test_a_rejection_leads_the_model_to_another_tool(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workflow = tmp_path / "guarded.yaml"
+    workflow.write_text(
+        (ROOT / "workflows" / "default.yaml")
+        .read_text()
+        .replace("name: default", "name: guarded")
+        .replace(
+            "tools: [datetime, read_file, list_directory, done]",
+            "tools: [datetime, {name: read_file, approval: required}, list_directory, done]",
+        )
+    )
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "secret.txt"}, id="r1")))
+    args = ["run", workflow, "-p", "What files are there?", "--base-url", server.base_url,
+            "--model", "m", "--store", store, "--workspace", workspace, "--json"]  # fmt: skip
+    run_id = cli(capsys, *args).json()["run_id"]
+
+    server.enqueue(
+        tool_reply(wire_call("list_directory", {"path": "."}, id="l1")),
+        text_reply("There are notes.txt and secret.txt."),
+    )
+    done = cli(capsys, _resume(store, run_id, "--reject", "list the folder instead", "--json"))
+
+    assert done.code == 0, done.err
+    result = done.json()
+    assert [(c["name"], c["is_error"]) for c in result["tool_calls"]] == [
+        ("read_file", True),
+        ("list_directory", False),
+    ]
+    assert result["tool_calls"][0]["result"] == "rejected by the user: list the folder instead"
+    assert "notes.txt" in result["tool_calls"][1]["result"]
+    assert result["response"] == "There are notes.txt and secret.txt."
