@@ -26,6 +26,7 @@ __all__ = [
     "EventType",
     "Message",
     "Role",
+    "RunFilter",
     "RunSummary",
     "SystemClock",
     "Tool",
@@ -331,6 +332,13 @@ class RunSummary:
     iterations: int = 0
     termination_reason: str | None = None
     """None while the run is in flight (or was killed)."""
+    tokens: int = 0
+    """Tokens its model calls used (prompt + completion, as the servers reported them)."""
+    status: str = "running"
+    """`running`, `waiting` (for a person), or the termination reason of its last ending (a
+    resume makes it `running` again)."""
+    updated_at: datetime | None = None
+    """When the summary last changed: its end, for a run that ended."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -340,7 +348,25 @@ class RunSummary:
             "goal": self.goal,
             "iterations": self.iterations,
             "termination_reason": self.termination_reason,
+            "tokens": self.tokens,
+            "status": self.status,
+            "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFilter:
+    """Which runs a listing keeps (every condition given must hold)."""
+
+    workflow: str | None = None
+    """The workflow's name, exactly."""
+    status: str | None = None
+    """`running`, `waiting` or a termination reason, exactly (see RunSummary.status)."""
+    text: str | None = None
+    """Text the run id or the goal contains (case-insensitive for ASCII letters)."""
+
+    def is_empty(self) -> bool:
+        return not (self.workflow or self.status or self.text)
 
 
 TOOL_CHOICES = ("auto", "none", "required", "omit")

@@ -20,11 +20,15 @@ __all__ = [
     "COMPONENT",
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
+    "RUNNING",
+    "RUN_SUSPENDED",
     "SCHEMA_VERSION",
     "SQLITE_MIGRATIONS_TABLE",
+    "WAITING",
     "Migration",
     "RunDelta",
     "check_events",
+    "check_page",
     "clean_prefix",
     "decode_data",
     "encode_data",
@@ -33,7 +37,9 @@ __all__ = [
     "parse_ts",
     "plan_migrations",
     "resolve_run",
+    "status_after",
     "summarize_batch",
+    "tokens_of",
 ]
 
 COMPONENT = "events"
@@ -116,8 +122,62 @@ _POSTGRES_V1 = (
     "CREATE INDEX runs_started_at ON runs (started_at DESC, run_id DESC)",
 )
 
+# Version 2: what the run viewer lists and filters on without reading events: the tokens a
+# run's model calls used and its status (see `status_after`), filled in from the events of the
+# runs already recorded; and indexes for its filters, newest first like runs_started_at.
+_V2_STATUS_CASE = """CASE e.type WHEN 'run.terminated' THEN COALESCE({reason}, 'ended')
+        WHEN 'run.suspended' THEN 'waiting' ELSE 'running' END"""
+_V2_BACKFILL = """UPDATE runs SET
+    tokens = COALESCE((SELECT SUM(COALESCE(NULLIF(COALESCE({prompt}, 0) + COALESCE({completion}, 0),
+                                                  0), {total}, 0))
+                       FROM events e WHERE e.run_id = runs.run_id AND e.type = 'model.responded'),
+                      0),
+    status = COALESCE((SELECT {status} FROM events e
+                       WHERE e.run_id = runs.run_id AND e.type IN
+                           ('run.started', 'run.resumed', 'run.suspended', 'run.terminated')
+                       ORDER BY e.seq DESC LIMIT 1),
+                      termination_reason, 'running')"""
+_V2_INDEXES = (
+    "CREATE INDEX runs_status ON runs (status, started_at DESC, run_id DESC)",
+    "CREATE INDEX runs_workflow ON runs (workflow, started_at DESC, run_id DESC)",
+)
+
+
+def _json_path(sqlite: bool, *keys: str) -> str:
+    if sqlite:
+        return f"json_extract(e.data, '$.{'.'.join(keys)}')"
+    *outer, last = keys
+    return "(e.data" + "".join(f"->'{k}'" for k in outer) + f"->>'{last}')"
+
+
+def _v2_backfill(*, sqlite: bool) -> str:
+    cast = "" if sqlite else "::bigint"
+    usage = ("completion", "usage")
+    return _V2_BACKFILL.format(
+        prompt=_json_path(sqlite, *usage, "prompt_tokens") + cast,
+        completion=_json_path(sqlite, *usage, "completion_tokens") + cast,
+        total=_json_path(sqlite, *usage, "total_tokens") + cast,
+        status=_V2_STATUS_CASE.format(reason=_json_path(sqlite, "reason")),
+    )
+
+
+_SQLITE_V2 = (
+    "ALTER TABLE runs ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
+    _v2_backfill(sqlite=True),
+    *_V2_INDEXES,
+)
+
+_POSTGRES_V2 = (
+    "ALTER TABLE runs ADD COLUMN tokens BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
+    _v2_backfill(sqlite=False),
+    *_V2_INDEXES,
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
+    Migration(version=2, name="runs_tokens_and_status", sqlite=_SQLITE_V2, postgres=_POSTGRES_V2),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -217,6 +277,47 @@ def check_events(events: Sequence[Event]) -> None:
             raise StoreError(f"event {event.run_id}#{event.seq}: timestamp must be timezone-aware")
 
 
+RUNNING = "running"
+WAITING = "waiting"
+RUN_SUSPENDED = "run.suspended"
+"""The event a run that waits for a person (an approval, an input) ends its log with. Compared
+by its value: the status of a run is read the same way whichever code wrote the log."""
+
+
+def status_after(event: Event) -> str | None:
+    """The run's status once `event` happened, None when the event does not change it:
+    `running` from its start or a resume, `waiting` from a suspension (until a resume or its
+    end), and from its end the termination reason."""
+    kind = event.type.value
+    if kind in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
+        return RUNNING
+    if kind == RUN_SUSPENDED:
+        return WAITING
+    if kind == EventType.RUN_TERMINATED:
+        return str(event.data.get("reason") or "ended")
+    return None
+
+
+def tokens_of(event: Event) -> int:
+    """The tokens a model answer used (prompt + completion as the server reported them, else
+    its total); 0 for any other event."""
+    if event.type is not EventType.MODEL_RESPONDED:
+        return 0
+    completion = event.data.get("completion")
+    usage = completion.get("usage") if isinstance(completion, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    try:
+        counts = [int(usage.get(key) or 0) for key in _USAGE_KEYS]
+    except (TypeError, ValueError):
+        return 0
+    prompt, completion_tokens, total = counts
+    return prompt + completion_tokens or total
+
+
+_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 @dataclass(kw_only=True)
 class RunDelta:
     """What one appended batch changes in one run's `runs` row."""
@@ -229,10 +330,27 @@ class RunDelta:
     started_at: datetime | None = None
     iterations: int = 0
     termination_reason: str | None = None
+    tokens: int = 0
+    """Tokens the batch's model answers used (added to the run's)."""
+    status: str | None = None
+    """The run's status after the batch; None when the batch does not change it."""
+
+    @property
+    def is_quiet(self) -> bool:
+        """The batch changes nothing in an existing `runs` row (bookkeeping events only)."""
+        return (
+            self.started_at is None
+            and self.iterations == 0
+            and self.termination_reason is None
+            and self.tokens == 0
+            and self.status is None
+        )
 
     def apply(self, event: Event) -> None:
         self.first_ts = min(self.first_ts, event.timestamp)
         self.last_ts = max(self.last_ts, event.timestamp)
+        self.tokens += tokens_of(event)
+        self.status = status_after(event) or self.status
         if event.type is EventType.RUN_STARTED:
             self.workflow = str(event.data.get("workflow") or "")
             self.goal = str(event.data.get("goal") or "")
@@ -253,7 +371,13 @@ class RunDelta:
                 started_at=self.started_at or self.first_ts,
                 iterations=self.iterations,
                 termination_reason=self.termination_reason,
+                tokens=self.tokens,
+                status=self.status or RUNNING,
+                updated_at=self.last_ts,
             )
+        if self.is_quiet:
+            return summary
+        updated = summary.updated_at
         return RunSummary(
             run_id=self.run_id,
             workflow=summary.workflow if self.workflow is None else self.workflow,
@@ -261,6 +385,9 @@ class RunDelta:
             started_at=summary.started_at if self.started_at is None else self.started_at,
             iterations=max(summary.iterations, self.iterations),
             termination_reason=self.termination_reason or summary.termination_reason,
+            tokens=summary.tokens + self.tokens,
+            status=self.status or summary.status,
+            updated_at=self.last_ts if updated is None else max(updated, self.last_ts),
         )
 
 
@@ -274,6 +401,14 @@ def summarize_batch(events: Iterable[Event]) -> list[RunDelta]:
             deltas[event.run_id] = delta
         delta.apply(event)
     return list(deltas.values())
+
+
+def check_page(limit: int, before: str | None, after: str | None) -> None:
+    """Refuse a negative page size, or paging both ways at once."""
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if before is not None and after is not None:
+        raise ValueError("give before or after, not both")
 
 
 AMBIGUOUS_SHOWN = 10

@@ -191,6 +191,9 @@ def test_run_summary_to_dict() -> None:
         "goal": "g",
         "iterations": 2,
         "termination_reason": None,
+        "tokens": 0,
+        "status": "running",
+        "updated_at": None,
     }
 
 
