@@ -62,7 +62,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     try:
         from fsm_kernel.ui import ViewerConfig, is_loopback, new_token, open_viewer
     except ImportError as exc:
-        missing = f" ({exc.name} is missing)" if exc.name else ""
+        missing = f" ({exc.name.split('.')[0]} is missing)" if exc.name else ""
         raise ConfigError(
             f"fsm-kernel ui needs the ui extra{missing}: pip install 'fsm-kernel[ui]'"
         ) from None

@@ -32,6 +32,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -337,6 +338,18 @@ def cancel_dispatch(request: Request, fields: dict[str, str]) -> Response:
     return RedirectResponse(f"/scheduler#d-{dispatch_id}", status_code=303)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = "no such page" if exc.status_code == 404 else str(exc.detail)
+    return _page(request).html(request, "error.html", exc.status_code, message=message)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """The page of a bug; the Guard logs it (one line; the traceback at debug level)."""
+    message = "internal error (the viewer's log has one line about it)"
+    return _page(request).html(request, "error.html", 500, message=message)
+
+
 def _not_found(request: Request, message: str) -> Response:
     return _page(request).html(request, "error.html", 404, message=message)
 
@@ -373,7 +386,11 @@ def create_app(
         *(extra_routes or []),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
     app.state.reader = reader
     app.state.page = Page(_environment(), has_scheduler=reader.dispatches is not None)
     return Guard(app, guard)

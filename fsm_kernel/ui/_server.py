@@ -5,6 +5,7 @@ tests and scripts).
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import threading
@@ -17,6 +18,7 @@ import uvicorn
 
 from fsm_kernel.config import default_store_location
 from fsm_kernel.errors import ConfigError
+from fsm_kernel.redact import register_secret
 from fsm_kernel.store import AnyEventStore, SqliteEventStore, open_store, parse_store_location
 from fsm_kernel.ui._app import create_app
 from fsm_kernel.ui._dispatches import DispatchReader
@@ -26,6 +28,7 @@ from fsm_kernel.ui._security import GuardSettings, is_loopback
 __all__ = ["MIN_TOKEN_LENGTH", "Viewer", "ViewerConfig", "new_token", "open_viewer"]
 
 MIN_TOKEN_LENGTH = 16
+_KEY_VARIABLES = ("FSM_KERNEL_API_KEY", "OPENAI_API_KEY")
 
 
 def new_token() -> str:
@@ -126,6 +129,8 @@ def open_viewer(config: ViewerConfig) -> Viewer:
             f"--host {config.host} is not a loopback address: the viewer needs a token there "
             "(--token, or let `fsm-kernel ui` generate one)"
         )
+    for name in _KEY_VARIABLES:  # a key in the environment is redacted even in old logs
+        register_secret(os.environ.get(name))
     dispatches = None
     store = config.store
     if config.scheduler is not None:
