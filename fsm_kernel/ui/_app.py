@@ -41,7 +41,7 @@ from starlette.staticfiles import StaticFiles
 from fsm_kernel.errors import RunNotFoundError, StoreConflictError
 from fsm_kernel.protocol import RunFilter
 from fsm_kernel.ui._dispatches import group_cycles
-from fsm_kernel.ui._reader import UiReader, status_class
+from fsm_kernel.ui._reader import UiReader, status_class, stock_workflows
 from fsm_kernel.ui._security import (
     CSRF_FIELD,
     MAX_FORM_BYTES,
@@ -259,12 +259,10 @@ def run_event(request: Request) -> Response:
 
 
 def workflows(request: Request) -> Response:
-    from fsm_kernel.bootstrap import list_stock_workflows
-
     return _page(request).html(
         request,
         "workflows.html",
-        stock=list_stock_workflows(),
+        stock=stock_workflows(),
         recent=_reader(request).recent_workflows(),
     )
 

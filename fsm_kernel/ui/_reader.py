@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from fsm_kernel.diagram import RunOverlay
@@ -34,6 +35,7 @@ __all__ = [
     "UiReader",
     "WaitingFor",
     "status_class",
+    "stock_workflows",
 ]
 
 PAGE_SIZE = 50
@@ -327,10 +329,16 @@ def _redacted_summary(run: RunSummary) -> RunSummary:
     return replace(run, goal=redact(run.goal), workflow=redact(run.workflow))
 
 
-def _workflow_names(recent: list[RunSummary]) -> list[str]:
+@cache
+def stock_workflows() -> tuple[tuple[str, str], ...]:
+    """(name, description) of the stock workflows: read once, they ship with fsm-kernel."""
     from fsm_kernel.bootstrap import list_stock_workflows
 
-    names = {name for name, _ in list_stock_workflows()}
+    return tuple(list_stock_workflows())
+
+
+def _workflow_names(recent: list[RunSummary]) -> list[str]:
+    names = {name for name, _ in stock_workflows()}
     names |= {r.workflow for r in recent if r.workflow}
     return sorted(names)
 
