@@ -26,7 +26,7 @@ XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2
 
 
 def record(
-    store: Path,
+    store: Path | str,
     *replies: Any,
     prompt: str = "What time is it?",
     workflow: str = "default",
@@ -42,7 +42,7 @@ def record(
 
 
 def _record(
-    store: Path,
+    store: Path | str,
     replies: Sequence[Any],
     *,
     prompt: str,

@@ -139,10 +139,11 @@ def test_a_live_run_is_followed_state_by_state(
         try:
             assert first_answer.reached.wait(30)
             url = base_url(serve(store=str(store)))
+            runs_page = page.context.new_page()  # stays open, never reloaded
+            runs_page.goto(url)
+            assert runs_page.locator("#runs tbody tr").get_attribute("data-status") == "running"
             page.goto(url)
-            row = page.locator("#runs tbody tr").first
-            assert row.get_attribute("data-status") == "running"
-            row.locator("a").click()
+            page.locator("#runs tbody tr a").click()
 
             current = page.locator("#diagram g.node.current")
             page.wait_for_selector('#diagram g.node.current[data-state="think"]')
@@ -163,8 +164,10 @@ def test_a_live_run_is_followed_state_by_state(
             )
             assert page.locator("#run-answer").inner_text() == "finished"
 
-            page.go_back()  # the runs page catches up by itself too
-            page.wait_for_selector('#runs tbody tr[data-status="final_answer"]')
+            runs_page.wait_for_selector('#runs tbody tr[data-status="final_answer"]')
+            assert runs_page.locator("#runs tbody tr td").all_inner_texts()[2:5] == [
+                "final_answer", "2", "30"
+            ]
         finally:
             for gate in gates:
                 gate.open()

@@ -302,3 +302,44 @@ def test_without_a_scheduler_config_the_page_says_how_to_get_one(
     assert page.status_code == 404
     assert "--scheduler CONFIG" in page.text
     assert 'href="/scheduler"' not in get(url, "/").text
+
+
+def test_a_json_lines_store_is_served_too(tmp_path: Path, serve: ViewerFactory) -> None:
+    store = tmp_path / "runs.jsonl"
+    run = record(store, *TOOL_THEN_ANSWER)
+    url = base_url(serve(store=str(store)))
+
+    rows = table_rows(get(url, "/").text)
+    assert [(r, cells[2], cells[4]) for r, cells in rows] == [(run.run_id, "final_answer", "30")]
+    assert 'data-call-id="c1"' in get(url, f"/runs/{run.run_id}").text
+
+
+@pytest.mark.postgres
+def test_a_postgresql_store_and_its_dispatches_are_served(
+    pg_dsn: str, serve: ViewerFactory, tmp_path: Path
+) -> None:
+    from fsm_kernel.scheduler import open_queue
+    from tests.unit.test_scheduler_fakes import pg_url
+
+    store = pg_url(pg_dsn)
+    run = record(store, *TOOL_THEN_ANSWER)
+    queue = open_queue(store)
+    dispatch = queue.enqueue("k1", "writer", "write", 0, "k1:writer:manual:7")
+    assert dispatch is not None
+    assert queue.claim("k1", "w1", 60, 5) is not None
+    queue.complete(dispatch.dispatch_id, "w1", status=DispatchStatus.DONE, run_id=run.run_id,
+                   termination_reason="final_answer")  # fmt: skip
+    queue.close()
+    config = tmp_path / "scheduler.yaml"
+    config.write_text(
+        f"kernel_id: k1\nstore: '{store}'\nagents:\n"
+        "  - {agent_id: writer, workflow: single_shot, prompt: write}\n"
+    )
+    url = base_url(serve(scheduler=str(config)))
+
+    assert [r for r, _ in table_rows(get(url, "/").text)] == [run.run_id]
+    run_page = get(url, f"/runs/{run.run_id}").text
+    assert text_of(run_page, "run-tokens") == "30 (20 prompt, 10 completion)"
+    assert text_of(run_page, "run-dispatch") == dispatch.dispatch_id[:8]
+    rows = dict(table_rows(get(url, "/scheduler").text, "data-dispatch-id"))
+    assert rows[dispatch.dispatch_id][1:3] == ["writer", "done"]

@@ -449,6 +449,14 @@ def test_render_png_and_dot_errors(default: WorkflowSpec, tmp_path: Path) -> Non
         render("digraph { a -> }", "svg", tmp_path / "bad.svg")
 
 
+def test_the_legend_can_be_left_out(default: WorkflowSpec) -> None:
+    with_legend, without = to_dot(default), to_dot(default, legend=False)
+    assert "_legend" in with_legend
+    assert "_legend" not in without
+    assert "cluster" not in without
+    assert without == with_legend[: with_legend.index("\tsubgraph cluster_legend")] + "}\n"
+
+
 @pytest.mark.skipif(not HAS_DOT, reason="the dot program is not installed")
 def test_render_svg_returns_the_text(default: WorkflowSpec) -> None:
     svg = render_svg(to_dot(default))
