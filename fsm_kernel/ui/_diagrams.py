@@ -91,7 +91,12 @@ def _read(path: Path) -> LoadedWorkflow:
 
 _NODE = re.compile(r'<g id="(node\d+)" class="node">\s*<title>([^<]*)</title>')
 _EDGE = re.compile(r'<g id="(edge\d+)" class="edge">\s*<title>([^<]*)</title>')
-_UNSAFE = re.compile(r"<script|<foreignObject|\son[a-z]+\s*=|javascript:", re.IGNORECASE)
+_UNSAFE = re.compile(
+    r"<(?:script|foreignObject|iframe|use)\b|<[^>]*\s(?:on[a-z]+|(?:xlink:)?href|style)\s*=",
+    re.IGNORECASE,
+)
+"""What dot never writes for our DOT: an active element, or an event handler, link or style
+attribute in a tag (text between tags has its `<` escaped, so it cannot match)."""
 
 
 @dataclass
