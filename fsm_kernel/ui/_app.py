@@ -15,6 +15,9 @@ Routes:
     GET  /scheduler                          dispatches by cycle (with --scheduler)
     GET  /scheduler/table                    the dispatches alone (the page refreshes it)
     POST /scheduler/dispatches/{id}/cancel   cancel a dispatch (as `dispatches --cancel`)
+
+A run waiting for a person shows its question in _run_waiting.html; answering it from the page
+is a form there posting to a route made with `post_action` (CSRF-checked, like the cancel).
 """
 
 from __future__ import annotations

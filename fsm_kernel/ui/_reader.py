@@ -15,6 +15,7 @@ from typing import Any
 from fsm_kernel.diagram import RunOverlay
 from fsm_kernel.protocol import Event, EventType, RunFilter, RunSummary
 from fsm_kernel.redact import redact, redact_data
+from fsm_kernel.scheduler import Dispatch
 from fsm_kernel.store import RUN_SUSPENDED, RUNNING, WAITING, AnyEventStore, status_after
 from fsm_kernel.ui._diagrams import (
     Diagram,
@@ -116,8 +117,8 @@ class RunView:
     error: str | None
     resumable: bool
     parent_run_id: str | None
-    dispatch: Any
-    """The scheduler dispatch this run came from (a Dispatch), when known."""
+    dispatch: Dispatch | None
+    """The scheduler dispatch this run came from, when known (once it finished)."""
     waiting: WaitingFor | None
     current_state: str | None
     overlay: RunOverlay
@@ -159,9 +160,18 @@ class UiReader:
     """The store (opened read-only), the scheduler's queue and the diagram renderer, behind the
     questions the pages ask."""
 
-    def __init__(self, store: AnyEventStore, dispatches: DispatchReader | None = None) -> None:
+    def __init__(
+        self,
+        store: AnyEventStore,
+        dispatches: DispatchReader | None = None,
+        *,
+        location: str | None = None,
+    ) -> None:
         self.store = store
         self.dispatches = dispatches
+        self.location = location
+        """Where `store` is (a POST that writes, such as an answer to a waiting run, opens its
+        own read-write store there: this one may be read-only)."""
         self.renderer = DiagramRenderer()
         self._started: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -266,7 +276,7 @@ class UiReader:
             workflow_path=_text(started.get("workflow_path")),
         )
 
-    def _dispatch_of(self, run_id: str) -> Any:
+    def _dispatch_of(self, run_id: str) -> Dispatch | None:
         if self.dispatches is None:
             return None
         return self.dispatches.for_run(run_id)

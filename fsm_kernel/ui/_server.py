@@ -153,7 +153,7 @@ def open_viewer(config: ViewerConfig) -> Viewer:
         cookie_suffix=str(sock.getsockname()[1]),
         secret=secrets.token_bytes(32),
     )
-    app = create_app(UiReader(events, dispatches), guard)
+    app = create_app(UiReader(events, dispatches, location=store), guard)
     return Viewer(app, sock, config, store)
 
 

@@ -21,6 +21,8 @@ from fsm_kernel.ui import Viewer, ViewerConfig, open_viewer
 from tests.fakes.openai_server import FakeOpenAIServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="needs the dot program")
+"""For tests of the drawn diagram (Debian package graphviz; CI installs it)."""
 XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 """Markup a hostile model or tool might return: it must show as text and never run."""
 
@@ -123,8 +125,10 @@ def _unavailable(why: str) -> None:
     pytest.skip(why)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """Chromium for one module's tests. Not longer: playwright's sync API runs an event loop on
+    this thread while it is open, and other tests call asyncio.run() here."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:

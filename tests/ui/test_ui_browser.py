@@ -15,7 +15,7 @@ import pytest
 import fsm_kernel
 from fsm_kernel.kernel import RunResult
 from tests.fakes.openai_server import FakeOpenAIServer, call, text_reply, tool_reply
-from tests.ui.conftest import XSS, ViewerFactory, base_url, echo, record
+from tests.ui.conftest import XSS, ViewerFactory, base_url, echo, needs_dot, record
 
 pytestmark = pytest.mark.browser
 
@@ -25,6 +25,7 @@ def svg_text(locator: Any) -> str:
     return " ".join(locator.text_content().split())
 
 
+@needs_dot
 def test_runs_page_then_a_finished_run_on_its_diagram(
     store: Path, serve: ViewerFactory, page: Any
 ) -> None:
@@ -56,6 +57,7 @@ def test_runs_page_then_a_finished_run_on_its_diagram(
     assert tool.locator("pre.result").is_visible()
 
 
+@needs_dot
 def test_clicking_a_state_or_an_edge_filters_the_timeline(
     store: Path, serve: ViewerFactory, page: Any
 ) -> None:
@@ -104,6 +106,7 @@ def gates() -> Iterator[list[Gate]]:
         gate.open()  # never leave a run (or the fake server) hanging
 
 
+@needs_dot
 def test_a_live_run_is_followed_state_by_state(
     store: Path, serve: ViewerFactory, page: Any, gates: list[Gate]
 ) -> None:

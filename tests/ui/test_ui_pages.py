@@ -18,7 +18,7 @@ from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.scheduler import DispatchStatus, SqliteDispatchQueue
 from fsm_kernel.store import SqliteEventStore
 from tests.fakes.openai_server import call, text_reply, tool_reply
-from tests.ui.conftest import XSS, ViewerFactory, base_url, echo, record
+from tests.ui.conftest import XSS, ViewerFactory, base_url, echo, needs_dot, record
 from tests.ui.html import table_rows, text_of
 
 TOOL_THEN_ANSWER = (tool_reply(call("datetime", {}, id="c1")), text_reply("It is noon."))
@@ -82,6 +82,7 @@ def test_runs_page_filters_by_status_workflow_and_text(store: Path, serve: Viewe
     assert get(url, "/runs/table?status=max_iterations").text.count("data-run-id=") == 1
 
 
+@needs_dot
 def test_run_page_draws_the_run_on_its_diagram_and_lists_its_steps(
     store: Path, serve: ViewerFactory
 ) -> None:
@@ -218,6 +219,7 @@ def test_reads_never_wait_for_a_writer(store: Path, serve: ViewerFactory) -> Non
         writer.close()
 
 
+@needs_dot
 def test_workflows_page_lists_stock_and_recent_workflows(
     store: Path, serve: ViewerFactory, tmp_path: Path
 ) -> None:
