@@ -4,6 +4,7 @@ serves it on a loopback port, and each page is fetched over HTTP like a browser 
 whole answer timed (query, count, template, transfer).
 
     python benchmarks/ui_runs_page.py [--runs 100000] [--requests 30] [--json] [--keep DIR]
+                                      [--store postgresql://...]   (an empty database)
 
 Exits 1 when the median answer of the first page (`/`) takes 200 ms or more.
 """
@@ -23,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.store import AnyEventStore, SqliteEventStore, open_store
 from fsm_kernel.ui import ViewerConfig, open_viewer
 from tests.ui.bulk import run_id, write_runs
 
@@ -68,24 +69,33 @@ def _time(client: httpx.Client, path: str, requests: int) -> Row:
     return Row("", path, statistics.median(times), p95, times[-1], rows)
 
 
+def _fill(events: AnyEventStore, runs: int) -> None:
+    started = time.perf_counter()
+    with events:
+        write_runs(events, runs)
+    print(f"wrote {runs:,} runs in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100_000)
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", metavar="DIR", help="write the store here and keep it")
+    parser.add_argument("--store", metavar="URL", help="a PostgreSQL database to fill instead")
     args = parser.parse_args(argv)
 
-    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fsmk-ui-bench-"))
-    store = folder / "runs.db"
-    if not store.exists():
-        started = time.perf_counter()
-        with SqliteEventStore(store) as events:
-            write_runs(events, args.runs)
-        print(f"wrote {args.runs:,} runs in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    if args.store:
+        store = args.store
+        _fill(open_store(store), args.runs)
+    else:
+        folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fsmk-ui-bench-"))
+        store = str(folder / "runs.db")
+        if not Path(store).exists():
+            _fill(SqliteEventStore(store), args.runs)
 
     results = []
-    with open_viewer(ViewerConfig(store=str(store), port=0)) as viewer:
+    with open_viewer(ViewerConfig(store=store, port=0)) as viewer:
         with httpx.Client(base_url=f"http://127.0.0.1:{viewer.port}", timeout=60) as client:
             for name, path in _pages(args.runs):
                 row = _time(client, path, args.requests)
