@@ -331,14 +331,22 @@ class RunSummary:
     goal: str
     iterations: int = 0
     termination_reason: str | None = None
-    """None while the run is in flight (or was killed)."""
+    """None while the run is in flight, waits for a person, or was killed (a resume clears
+    the reason of the ending it reopens)."""
+    status: str = "running"
+    """`running` (in flight, or killed), `waiting` (for a person's answer) or `ended` (for
+    termination_reason)."""
     tokens: int = 0
     """Tokens its model calls used (prompt + completion, as the servers reported them)."""
-    status: str = "running"
-    """`running`, `waiting` (for a person), or the termination reason of its last ending (a
-    resume makes it `running` again)."""
     updated_at: datetime | None = None
     """When the summary last changed: its end, for a run that ended."""
+
+    @property
+    def shown_status(self) -> str:
+        """The status as people read it: running, waiting, or the termination reason."""
+        if self.status == "ended" and self.termination_reason:
+            return self.termination_reason
+        return self.status
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -347,9 +355,9 @@ class RunSummary:
             "started_at": self.started_at.isoformat(),
             "goal": self.goal,
             "iterations": self.iterations,
+            "status": self.status,
             "termination_reason": self.termination_reason,
             "tokens": self.tokens,
-            "status": self.status,
             "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
         }
 
@@ -361,7 +369,8 @@ class RunFilter:
     workflow: str | None = None
     """The workflow's name, exactly."""
     status: str | None = None
-    """`running`, `waiting` or a termination reason, exactly (see RunSummary.status)."""
+    """`running`, `waiting`, `ended` (any ending) or a termination reason, exactly (see
+    RunSummary.shown_status)."""
     text: str | None = None
     """Text the run id or the goal contains (case-insensitive for ASCII letters)."""
 

@@ -18,12 +18,14 @@ from fsm_kernel.protocol import Event, EventType, RunSummary
 __all__ = [
     "AMBIGUOUS_SHOWN",
     "COMPONENT",
+    "ENDED",
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
     "RUNNING",
     "RUN_SUSPENDED",
     "SCHEMA_VERSION",
     "SQLITE_MIGRATIONS_TABLE",
+    "SUMMARY_STATUSES",
     "WAITING",
     "Migration",
     "RunDelta",
@@ -122,62 +124,58 @@ _POSTGRES_V1 = (
     "CREATE INDEX runs_started_at ON runs (started_at DESC, run_id DESC)",
 )
 
-# Version 2: what the run viewer lists and filters on without reading events: the tokens a
-# run's model calls used and its status (see `status_after`), filled in from the events of the
-# runs already recorded; and indexes for its filters, newest first like runs_started_at.
-_V2_STATUS_CASE = """CASE e.type WHEN 'run.terminated' THEN COALESCE({reason}, 'ended')
-        WHEN 'run.suspended' THEN 'waiting' ELSE 'running' END"""
-_V2_BACKFILL = """UPDATE runs SET
-    tokens = COALESCE((SELECT SUM(COALESCE(NULLIF(COALESCE({prompt}, 0) + COALESCE({completion}, 0),
-                                                  0), {total}, 0))
-                       FROM events e WHERE e.run_id = runs.run_id AND e.type = 'model.responded'),
-                      0),
-    status = COALESCE((SELECT {status} FROM events e
-                       WHERE e.run_id = runs.run_id AND e.type IN
-                           ('run.started', 'run.resumed', 'run.suspended', 'run.terminated')
-                       ORDER BY e.seq DESC LIMIT 1),
-                      termination_reason, 'running')"""
-_V2_INDEXES = (
-    "CREATE INDEX runs_status ON runs (status, started_at DESC, run_id DESC)",
+_RUN_STATUS = (
+    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
+    "UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL",
+    "CREATE INDEX runs_waiting ON runs (started_at DESC, run_id DESC) WHERE status = 'waiting'",
+)
+"""v2: a run's status (running, waiting for a person, ended) and an index of the waiting ones."""
+
+# v3: what the run viewer lists and filters on without reading events: the tokens a run's
+# model calls used (filled in from the events of the runs already recorded), and an index per
+# filter, newest first like runs_started_at, so a filtered page costs what an unfiltered one
+# does.
+_TOKENS_BACKFILL = """UPDATE runs SET tokens = COALESCE(
+    (SELECT SUM(COALESCE(NULLIF(COALESCE({prompt}, 0) + COALESCE({completion}, 0), 0),
+                         {total}, 0))
+     FROM events e WHERE e.run_id = runs.run_id AND e.type = 'model.responded'), 0)"""
+_FILTER_INDEXES = (
     "CREATE INDEX runs_workflow ON runs (workflow, started_at DESC, run_id DESC)",
+    "CREATE INDEX runs_status ON runs (status, started_at DESC, run_id DESC)",
+    "CREATE INDEX runs_reason ON runs (termination_reason, started_at DESC, run_id DESC)",
 )
 
 
-def _json_path(sqlite: bool, *keys: str) -> str:
+def _usage(sqlite: bool, key: str) -> str:
     if sqlite:
-        return f"json_extract(e.data, '$.{'.'.join(keys)}')"
-    *outer, last = keys
-    return "(e.data" + "".join(f"->'{k}'" for k in outer) + f"->>'{last}')"
+        return f"json_extract(e.data, '$.completion.usage.{key}')"
+    return f"(e.data->'completion'->'usage'->>'{key}')::bigint"
 
 
-def _v2_backfill(*, sqlite: bool) -> str:
-    cast = "" if sqlite else "::bigint"
-    usage = ("completion", "usage")
-    return _V2_BACKFILL.format(
-        prompt=_json_path(sqlite, *usage, "prompt_tokens") + cast,
-        completion=_json_path(sqlite, *usage, "completion_tokens") + cast,
-        total=_json_path(sqlite, *usage, "total_tokens") + cast,
-        status=_V2_STATUS_CASE.format(reason=_json_path(sqlite, "reason")),
+def _tokens_backfill(*, sqlite: bool) -> str:
+    return _TOKENS_BACKFILL.format(
+        prompt=_usage(sqlite, "prompt_tokens"),
+        completion=_usage(sqlite, "completion_tokens"),
+        total=_usage(sqlite, "total_tokens"),
     )
 
 
-_SQLITE_V2 = (
+_SQLITE_V3 = (
     "ALTER TABLE runs ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0",
-    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
-    _v2_backfill(sqlite=True),
-    *_V2_INDEXES,
+    _tokens_backfill(sqlite=True),
+    *_FILTER_INDEXES,
 )
 
-_POSTGRES_V2 = (
+_POSTGRES_V3 = (
     "ALTER TABLE runs ADD COLUMN tokens BIGINT NOT NULL DEFAULT 0",
-    "ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'running'",
-    _v2_backfill(sqlite=False),
-    *_V2_INDEXES,
+    _tokens_backfill(sqlite=False),
+    *_FILTER_INDEXES,
 )
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
-    Migration(version=2, name="runs_tokens_and_status", sqlite=_SQLITE_V2, postgres=_POSTGRES_V2),
+    Migration(version=2, name="add_runs_status", sqlite=_RUN_STATUS, postgres=_RUN_STATUS),
+    Migration(version=3, name="add_runs_tokens", sqlite=_SQLITE_V3, postgres=_POSTGRES_V3),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -279,6 +277,9 @@ def check_events(events: Sequence[Event]) -> None:
 
 RUNNING = "running"
 WAITING = "waiting"
+ENDED = "ended"
+SUMMARY_STATUSES = frozenset({RUNNING, WAITING, ENDED})
+"""The values of RunSummary.status (and the runs table's status column)."""
 RUN_SUSPENDED = "run.suspended"
 """The event a run that waits for a person (an approval, an input) ends its log with. Compared
 by its value: the status of a run is read the same way whichever code wrote the log."""
@@ -286,15 +287,15 @@ by its value: the status of a run is read the same way whichever code wrote the 
 
 def status_after(event: Event) -> str | None:
     """The run's status once `event` happened, None when the event does not change it:
-    `running` from its start or a resume, `waiting` from a suspension (until a resume or its
-    end), and from its end the termination reason."""
+    `running` from its start or a resume (which reopens an ending or a suspension), `waiting`
+    from a suspension, `ended` from its end (see RunSummary.status)."""
     kind = event.type.value
     if kind in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
         return RUNNING
     if kind == RUN_SUSPENDED:
         return WAITING
     if kind == EventType.RUN_TERMINATED:
-        return str(event.data.get("reason") or "ended")
+        return ENDED
     return None
 
 
@@ -336,6 +337,11 @@ class RunDelta:
     """The run's status after the batch; None when the batch does not change it."""
 
     @property
+    def reopens(self) -> bool:
+        """The batch leaves the run running (a start or a resume): no earlier ending stands."""
+        return self.status == RUNNING
+
+    @property
     def is_quiet(self) -> bool:
         """The batch changes nothing in an existing `runs` row (bookkeeping events only)."""
         return (
@@ -351,6 +357,8 @@ class RunDelta:
         self.last_ts = max(self.last_ts, event.timestamp)
         self.tokens += tokens_of(event)
         self.status = status_after(event) or self.status
+        if event.type is EventType.RUN_RESUMED:
+            self.termination_reason = None  # the ending it reopens is no longer the run's
         if event.type is EventType.RUN_STARTED:
             self.workflow = str(event.data.get("workflow") or "")
             self.goal = str(event.data.get("goal") or "")
@@ -378,13 +386,16 @@ class RunDelta:
         if self.is_quiet:
             return summary
         updated = summary.updated_at
+        reason = self.termination_reason
+        if not self.reopens:
+            reason = reason or summary.termination_reason
         return RunSummary(
             run_id=self.run_id,
             workflow=summary.workflow if self.workflow is None else self.workflow,
             goal=summary.goal if self.goal is None else self.goal,
             started_at=summary.started_at if self.started_at is None else self.started_at,
             iterations=max(summary.iterations, self.iterations),
-            termination_reason=self.termination_reason or summary.termination_reason,
+            termination_reason=reason,
             tokens=summary.tokens + self.tokens,
             status=self.status or summary.status,
             updated_at=self.last_ts if updated is None else max(updated, self.last_ts),

@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property
 from types import TracebackType
@@ -26,6 +26,8 @@ from fsm_kernel.store._schema import (
     COMPONENT,
     POSTGRES_MIGRATIONS_TABLE,
     SQLITE_MIGRATIONS_TABLE,
+    SUMMARY_STATUSES,
+    WAITING,
     Migration,
     RunDelta,
     check_events,
@@ -53,6 +55,7 @@ __all__ = [
     "Statements",
     "event_row",
     "like_escape",
+    "only_waiting",
     "row_event",
     "row_summary",
     "run_params",
@@ -160,7 +163,8 @@ VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'))
 ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
-    termination_reason = COALESCE({n("reason")}, runs.termination_reason),
+    termination_reason = CASE WHEN {n("reopens")} THEN {n("reason")}
+        ELSE COALESCE({n("reason")}, runs.termination_reason) END,
     updated_at = {d.greatest}(runs.updated_at, {n("updated_at")}),
     tokens = runs.tokens + {n("tokens")},
     status = COALESCE({n("status")}, runs.status)"""
@@ -187,7 +191,7 @@ ON CONFLICT (run_id) DO UPDATE SET
         next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
         select_runs=(
             "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, "
-            "tokens, status, updated_at FROM runs"
+            "status, tokens, updated_at FROM runs"
         ),
         select_cursor=f"SELECT started_at, run_id FROM runs WHERE run_id = {p}",
         select_prefix=(
@@ -305,12 +309,13 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
         "tokens": delta.tokens,
         "status": delta.status,
         "status_changed": delta.status is not None,
+        "reopens": delta.reopens,
     }
 
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     """The RunSummary of a select_runs row."""
-    run_id, workflow, goal, started_at, iterations, reason, tokens, status, updated_at = row
+    run_id, workflow, goal, started_at, iterations, reason, status, tokens, updated_at = row
     return RunSummary(
         run_id=run_id,
         workflow=workflow,
@@ -334,8 +339,11 @@ def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
     if where.workflow:
         clauses.append(f"workflow = {p}")
         params.append(where.workflow)
-    if where.status:
+    if where.status in SUMMARY_STATUSES:
         clauses.append(f"status = {p}")
+        params.append(where.status)
+    elif where.status:  # a termination reason
+        clauses.append(f"status = 'ended' AND termination_reason = {p}")
         params.append(where.status)
     if where.text:
         pattern = "%" + like_escape(where.text) + "%"
@@ -368,6 +376,11 @@ def runs_query(
         f"{d.sql.select_runs}{sql} ORDER BY started_at {order}, run_id {order} LIMIT {d.param}"
     )
     return sql, [*params, limit]
+
+
+def only_waiting(where: RunFilter | None) -> RunFilter:
+    """`where`, narrowed to the runs waiting for a person."""
+    return replace(where or RunFilter(), status=WAITING)
 
 
 def like_escape(text: str) -> str:
@@ -588,18 +601,21 @@ class SqlEventStore:
         self,
         *,
         limit: int = 50,
+        waiting: bool = False,
         where: RunFilter | None = None,
         before: str | None = None,
         after: str | None = None,
     ) -> list[RunSummary]:
-        """The `limit` most recently started runs that `where` keeps, newest first; with
-        `before` (a run id) only those that come after that run in this order (the next page),
-        with `after` only those before it (the previous page; still newest first).
+        """The `limit` most recently started runs that `where` keeps (only the ones waiting for
+        a person when `waiting`), newest first; with `before` (a run id) only those that come
+        after that run in this order (the next page), with `after` only those before it (the
+        previous page; still newest first).
 
         Raises:
             RunNotFoundError: `before` or `after` names no run.
         """
         check_page(limit, before, after)
+        where = only_waiting(where) if waiting else where
         cursor = None
         if before is not None or after is not None:
             cursor = self._cursor(str(before if before is not None else after))

@@ -36,6 +36,9 @@ from fsm_kernel.redact import redact_data
 from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
+    ENDED,
+    SUMMARY_STATUSES,
+    WAITING,
     check_events,
     check_page,
     clean_prefix,
@@ -190,17 +193,21 @@ class JsonlEventStore:
         self,
         *,
         limit: int = 50,
+        waiting: bool = False,
         where: RunFilter | None = None,
         before: str | None = None,
         after: str | None = None,
     ) -> list[RunSummary]:
-        """The `limit` most recently started runs that `where` keeps, newest first; `before`
-        and `after` (run ids) page as in the SQL stores (see SqlEventStore.list_runs).
+        """The `limit` most recently started runs that `where` keeps (only the ones waiting for
+        a person when `waiting`), newest first; `before` and `after` (run ids) page as in the
+        SQL stores (see SqlEventStore.list_runs).
 
         Raises:
             RunNotFoundError: `before` or `after` names no run.
         """
         check_page(limit, before, after)
+        if waiting:
+            where = replace(where or RunFilter(), status=WAITING)
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
             runs = [r for r in self._runs.values() if _keeps(where, r)]
@@ -397,7 +404,11 @@ def _keeps(where: RunFilter | None, run: RunSummary) -> bool:
         return True
     if where.workflow and run.workflow != where.workflow:
         return False
-    if where.status and run.status != where.status:
+    if where.status in SUMMARY_STATUSES and run.status != where.status:
+        return False
+    if where.status not in SUMMARY_STATUSES and where.status and (
+        run.status != ENDED or run.termination_reason != where.status
+    ):
         return False
     if where.text:
         # Like the databases' LIKE/ILIKE: ASCII letters in either case, anything else exactly.

@@ -16,7 +16,14 @@ from fsm_kernel.diagram import RunOverlay
 from fsm_kernel.protocol import Event, EventType, RunFilter, RunSummary
 from fsm_kernel.redact import redact, redact_data
 from fsm_kernel.scheduler import Dispatch
-from fsm_kernel.store import RUN_SUSPENDED, RUNNING, WAITING, AnyEventStore, status_after
+from fsm_kernel.store import (
+    ENDED,
+    RUN_SUSPENDED,
+    RUNNING,
+    WAITING,
+    AnyEventStore,
+    status_after,
+)
 from fsm_kernel.ui._diagrams import (
     Diagram,
     DiagramRenderer,
@@ -106,6 +113,7 @@ class RunView:
     seq: int
     """The last event's seq: the page asks for a fresh view when the log passes it."""
     status: str
+    """running, waiting, or the termination reason (RunSummary.shown_status)."""
     workflow: str
     goal: str
     model: str
@@ -238,6 +246,8 @@ class UiReader:
         resumed = _last(events, EventType.RUN_RESUMED.value)
         if end is not None and resumed is not None and resumed.seq > end.seq:
             end = None  # a resume reopened it
+        if status == ENDED:
+            status = (_text(end.data.get("reason")) if end else None) or ENDED
         suspended = _last(events, RUN_SUSPENDED)
         overlay = RunOverlay.from_events(events)
         current = overlay.last_state if status in _LIVE else None
@@ -354,5 +364,7 @@ def _workflow_names(recent: list[RunSummary]) -> list[str]:
 
 
 def _statuses(recent: list[RunSummary]) -> list[str]:
-    known = [RUNNING, WAITING, *(str(r) for r in TERMINATION_REASONS)]
-    return known + sorted({r.status for r in recent} - set(known))
+    """The statuses to filter by: running, waiting, ended (any ending), every built-in
+    reason, and the workflows' own reasons seen lately."""
+    known = [RUNNING, WAITING, ENDED, *(str(r) for r in TERMINATION_REASONS)]
+    return known + sorted({r.shown_status for r in recent} - set(known))

@@ -610,14 +610,15 @@ def test_summaries_carry_tokens_status_and_last_change(store: AnyEventStore) -> 
     store.append([ev("r", 5, EventType.RUN_TERMINATED, data={"reason": "agent_error"})])
 
     (run,) = store.list_runs()
-    assert (run.tokens, run.status, run.termination_reason) == (22, "agent_error", "agent_error")
+    assert (run.tokens, run.status, run.termination_reason) == (22, "ended", "agent_error")
+    assert run.shown_status == "agent_error"
     assert run.updated_at == T0 + timedelta(seconds=5)
 
     store.append([ev("r", 6, EventType.RUN_RESUMED, data={})])  # a resume reopens it
     (run,) = store.list_runs()
-    assert (run.status, run.termination_reason, run.tokens) == ("running", "agent_error", 22)
+    assert (run.status, run.termination_reason, run.tokens) == ("running", None, 22)
     store.append([ev("r", 7, EventType.RUN_TERMINATED, data={"reason": "done"})])
-    assert store.list_runs()[0].status == "done"
+    assert store.list_runs()[0].shown_status == "done"
     assert store.list_runs()[0].updated_at == T0 + timedelta(seconds=7)
 
 
@@ -644,6 +645,8 @@ def test_list_runs_filters_by_workflow_status_and_text(store: AnyEventStore) -> 
     react = RunFilter(workflow="react")
     assert ids_of(store.list_runs(where=react)) == ["run-6", "run-3", "run-0"]
     assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["run-8", "run-4", "run-0"]
+    ended = RunFilter(status="ended", workflow="react")
+    assert ids_of(store.list_runs(where=ended)) == ["run-6", "run-0"]
     running = RunFilter(status="running", workflow="default")
     assert ids_of(store.list_runs(where=running)) == ["run-7", "run-5", "run-1"]
     assert ids_of(store.list_runs(where=RunFilter(text="50% file"))) == ["run-4"]  # any case
@@ -675,26 +678,31 @@ def test_list_runs_pages_both_ways_with_a_run_id_as_the_cursor(store: AnyEventSt
         store.list_runs(before=ids[0], after=ids[1])
 
 
-def test_runs_recorded_by_an_older_schema_get_tokens_and_status(backend: Backend) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_runs_recorded_by_an_older_schema_get_tokens_and_status(
+    backend: Backend, version: int
+) -> None:
     if backend.kind == "jsonl":
         pytest.skip("a JSON Lines log has no schema: its summaries are computed when read")
-    _write_version_1(backend)
+    _write_old_version(backend, version)
 
     with backend.open() as store:
         runs = {r.run_id: r for r in store.list_runs()}
-        assert (runs["old"].tokens, runs["old"].status) == (17, "done")
+        assert (runs["old"].tokens, runs["old"].status, runs["old"].shown_status) == (
+            17, "ended", "done"
+        )  # fmt: skip
         assert (runs["live"].tokens, runs["live"].status) == (0, "running")
-        assert runs["resumed"].status == "running"  # ended, then resumed
         store.append([responded("live", 3, {"prompt_tokens": 2, "completion_tokens": 1})])
         assert {r.run_id: r.tokens for r in store.list_runs()}["live"] == 3
+        assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["old"]
 
 
-def _write_version_1(backend: Backend) -> None:
-    """A store as fsm-kernel's first schema left it: events and runs rows, no tokens."""
+def _write_old_version(backend: Backend, version: int) -> None:
+    """A store as an earlier fsm-kernel left it: migrated up to `version` only."""
     from fsm_kernel.store._schema import MIGRATIONS
     from fsm_kernel.store._sql import POSTGRES, SQLITE
 
-    v1 = MIGRATIONS[0]
+    applied = MIGRATIONS[:version]
     dialect = SQLITE if backend.kind == "sqlite" else POSTGRES
     events = [
         started("old"),
@@ -711,7 +719,9 @@ def _write_version_1(backend: Backend) -> None:
         ("resumed", "default", "g", T0, 0, "agent_error", T0),
     ]
     p = dialect.param
-    statements = [dialect.migrations_table, *(v1.sqlite if dialect is SQLITE else v1.postgres)]
+    statements = [dialect.migrations_table]
+    for migration in applied:
+        statements += migration.sqlite if dialect is SQLITE else migration.postgres
     if backend.kind == "sqlite":
         import sqlite3
 
@@ -724,15 +734,22 @@ def _write_version_1(backend: Backend) -> None:
     try:
         for statement in statements:
             conn.execute(statement)
-        conn.execute(
-            f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
-            ("events", 1, v1.name, dialect.to_db_ts(T0)),
-        )
+        for migration in applied:
+            conn.execute(
+                f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
+                ("events", migration.version, migration.name, dialect.to_db_ts(T0)),
+            )
         for event in events:
             conn.execute(dialect.sql.insert_event, event_row(dialect, event))
-        for row in runs:
+        for row in runs:  # the columns of version 1
             values = [*row[:3], dialect.to_db_ts(row[3]), *row[4:6], dialect.to_db_ts(row[6])]
-            conn.execute(f"INSERT INTO runs VALUES ({', '.join([p] * 7)})", values)
+            conn.execute(
+                "INSERT INTO runs (run_id, workflow, goal, started_at, iterations, "
+                f"termination_reason, updated_at) VALUES ({', '.join([p] * 7)})",
+                values,
+            )
+        if version >= 2:  # as that version's code kept it
+            conn.execute("UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL")
     finally:
         conn.close()
 

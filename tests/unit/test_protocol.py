@@ -190,9 +190,9 @@ def test_run_summary_to_dict() -> None:
         "started_at": "2025-01-02T03:04:05+00:00",
         "goal": "g",
         "iterations": 2,
+        "status": "running",
         "termination_reason": None,
         "tokens": 0,
-        "status": "running",
         "updated_at": None,
     }
 

@@ -29,22 +29,26 @@ def event(kind: str, seq: int, **data: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("kinds", "status"),
+    ("kinds", "status", "reason"),
     [
-        (["run.started"], "running"),
-        (["run.started", RUN_SUSPENDED], "waiting"),
-        (["run.started", RUN_SUSPENDED, "human.answered"], "waiting"),
-        (["run.started", RUN_SUSPENDED, "human.answered", "run.resumed"], "running"),
-        (["run.started", RUN_SUSPENDED, "run.terminated"], "cancelled"),
-        (["run.started", "run.terminated", "run.resumed"], "running"),
-        (["run.started", "state.entered", "tool.started"], "running"),
+        (["run.started"], "running", None),
+        (["run.started", RUN_SUSPENDED], "waiting", None),
+        (["run.started", RUN_SUSPENDED, "human.answered"], "waiting", None),
+        (["run.started", RUN_SUSPENDED, "human.answered", "run.resumed"], "running", None),
+        (["run.started", RUN_SUSPENDED, "run.terminated"], "ended", "cancelled"),
+        (["run.started", "run.terminated", "run.resumed"], "running", None),
+        (["run.started", "state.entered", "tool.started"], "running", None),
     ],
 )
-def test_status_follows_the_last_event_that_says_it(kinds: list[str], status: str) -> None:
+def test_status_follows_the_last_event_that_says_it(
+    kinds: list[str], status: str, reason: str | None
+) -> None:
     events = [event(kind, n, reason="cancelled") for n, kind in enumerate(kinds, 1)]
     folded = "running"
     for e in events:
         folded = status_after(e) or folded
     assert folded == status
     (delta,) = summarize_batch(events)
-    assert delta.merge_into(None).status == status
+    summary = delta.merge_into(None)
+    assert (summary.status, summary.termination_reason) == (status, reason)
+    assert summary.shown_status == (reason or status)
