@@ -342,8 +342,8 @@ def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
     if where.status in SUMMARY_STATUSES:
         clauses.append(f"status = {p}")
         params.append(where.status)
-    elif where.status:  # a termination reason
-        clauses.append(f"status = 'ended' AND termination_reason = {p}")
+    elif where.status:  # a termination reason: only an ended run has one (a resume clears it)
+        clauses.append(f"termination_reason = {p}")
         params.append(where.status)
     if where.text:
         pattern = "%" + like_escape(where.text) + "%"

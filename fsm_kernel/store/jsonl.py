@@ -36,7 +36,6 @@ from fsm_kernel.redact import redact_data
 from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
-    ENDED,
     SUMMARY_STATUSES,
     WAITING,
     check_events,
@@ -406,10 +405,9 @@ def _keeps(where: RunFilter | None, run: RunSummary) -> bool:
         return False
     if where.status in SUMMARY_STATUSES and run.status != where.status:
         return False
-    if where.status not in SUMMARY_STATUSES and where.status and (
-        run.status != ENDED or run.termination_reason != where.status
-    ):
-        return False
+    if where.status not in SUMMARY_STATUSES and where.status:
+        if run.termination_reason != where.status:  # only an ended run has one
+            return False
     if where.text:
         # Like the databases' LIKE/ILIKE: ASCII letters in either case, anything else exactly.
         needle = _ascii_lower(where.text)
