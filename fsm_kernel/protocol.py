@@ -27,6 +27,7 @@ __all__ = [
     "Message",
     "ResponseFormat",
     "Role",
+    "RunFilter",
     "RunSummary",
     "SystemClock",
     "Tool",
@@ -338,14 +339,19 @@ class RunSummary:
     goal: str
     iterations: int = 0
     termination_reason: str | None = None
-    """None while the run is in flight, waits for a person, or was killed."""
+    """None while the run is in flight, waits for a person, or was killed (a resume clears
+    the reason of the ending it reopens)."""
     status: str = "running"
-    """`running` (in flight, or killed), `waiting` (suspended until a person answers) or
-    `ended` (see termination_reason)."""
+    """`running` (in flight, or killed), `waiting` (for a person's answer) or `ended` (for
+    termination_reason)."""
+    tokens: int = 0
+    """Tokens its model calls used (prompt + completion, as the servers reported them)."""
+    updated_at: datetime | None = None
+    """When the summary last changed: its end, for a run that ended."""
 
     @property
     def shown_status(self) -> str:
-        """What `runs list` shows: running, waiting, or the termination reason."""
+        """The status as people read it: running, waiting, or the termination reason."""
         if self.status == "ended" and self.termination_reason:
             return self.termination_reason
         return self.status
@@ -359,6 +365,8 @@ class RunSummary:
             "iterations": self.iterations,
             "status": self.status,
             "termination_reason": self.termination_reason,
+            "tokens": self.tokens,
+            "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
         }
 
 
@@ -386,6 +394,22 @@ class ResponseFormat:
             f"{lead} with one JSON value and nothing else (no prose, no code fence) that "
             "conforms to this JSON Schema:\n" + json.dumps(self.schema, ensure_ascii=False)
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFilter:
+    """Which runs a listing keeps (every condition given must hold)."""
+
+    workflow: str | None = None
+    """The workflow's name, exactly."""
+    status: str | None = None
+    """`running`, `waiting`, `ended` (any ending) or a termination reason, exactly (see
+    RunSummary.shown_status)."""
+    text: str | None = None
+    """Text the run id or the goal contains (case-insensitive for ASCII letters)."""
+
+    def is_empty(self) -> bool:
+        return not (self.workflow or self.status or self.text)
 
 
 TOOL_CHOICES = ("auto", "none", "required", "omit")

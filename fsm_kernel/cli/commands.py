@@ -28,7 +28,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
 def register(sub: Any) -> None:
     """Add every subcommand to the parser."""
-    from fsm_kernel.cli import diagram_cmd, runs, schedule_cmd
+    from fsm_kernel.cli import diagram_cmd, runs, schedule_cmd, ui_cmd
 
     _add_run(sub)
     p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
@@ -45,6 +45,7 @@ def register(sub: Any) -> None:
     runs.register(sub)
     diagram_cmd.register(sub)
     schedule_cmd.register(sub)
+    ui_cmd.register(sub)
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> None:

@@ -12,7 +12,7 @@ from fsm_kernel.diagram._labels import KERNEL_REASONS, edge_label
 from fsm_kernel.diagram._mermaid import to_mermaid
 from fsm_kernel.diagram._overlay import RunOverlay, overlay_problems
 from fsm_kernel.diagram._render import DOT_MISSING as DOT_MISSING
-from fsm_kernel.diagram._render import RENDER_FORMATS, render
+from fsm_kernel.diagram._render import RENDER_FORMATS, render, render_svg
 
 __all__ = [
     "KERNEL_REASONS",
@@ -21,6 +21,7 @@ __all__ = [
     "edge_label",
     "overlay_problems",
     "render",
+    "render_svg",
     "to_dot",
     "to_mermaid",
 ]

@@ -203,8 +203,9 @@ def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Dig
     )
 
 
-def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None) -> str:
-    """The workflow as Graphviz DOT text; the same spec (and overlay) gives the same bytes."""
+def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None, legend: bool = True) -> str:
+    """The workflow as Graphviz DOT text; the same spec (and overlay) gives the same bytes.
+    `legend=False` leaves the legend out (for a page that explains the notation itself)."""
     g = _new_digraph(spec, overlay)
     g.node(
         _START,
@@ -221,9 +222,11 @@ def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None) -> str:
     g.edge(_START, spec.initial, **entry)
     for source, target, indexes in _edge_groups(spec):
         g.edge(source, target, **_edge_attrs(spec, indexes, overlay))
-    with g.subgraph(name="cluster_legend") as legend:
-        legend.attr(style="rounded,dashed", color=DIM, label="", margin="6")
-        legend.node(_LEGEND, label=_legend_label(spec, overlay), shape="plaintext")
+    if not legend:
+        return str(g.source)
+    with g.subgraph(name="cluster_legend") as box:
+        box.attr(style="rounded,dashed", color=DIM, label="", margin="6")
+        box.node(_LEGEND, label=_legend_label(spec, overlay), shape="plaintext")
     for final in spec.final_states():  # keep the legend under the diagram, not beside it
         g.edge(final, _LEGEND, style="invis")
     return str(g.source)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fsm_kernel.errors import ConfigError
 
-__all__ = ["DOT_MISSING", "RENDER_FORMATS", "render"]
+__all__ = ["DOT_MISSING", "RENDER_FORMATS", "render", "render_svg"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,26 @@ def render(dot_source: str, fmt: str, out_path: Path) -> Path:
         raise ConfigError(f"dot failed: {_first_line(proc.stderr)}")
     logger.debug("rendered %s", out_path)
     return out_path
+
+
+def render_svg(dot_source: str) -> str:
+    """`dot_source` rendered as SVG text by the `dot` program (for a page that embeds it).
+
+    Raises:
+        ConfigError: no `dot` on PATH, or `dot` failed.
+    """
+    exe = shutil.which("dot")
+    if exe is None:
+        raise ConfigError(DOT_MISSING)
+    try:
+        proc = subprocess.run(  # a fixed program; the DOT text goes to stdin
+            [exe, "-Tsvg"], input=dot_source.encode("utf-8"), capture_output=True, check=False
+        )
+    except OSError as exc:
+        raise ConfigError(f"cannot run dot: {exc}") from exc
+    if proc.returncode != 0:
+        raise ConfigError(f"dot failed: {_first_line(proc.stderr)}")
+    return proc.stdout.decode("utf-8", "replace")
 
 
 def _first_line(stderr: bytes) -> str:

@@ -14,12 +14,24 @@ from typing import Literal, TypeAlias
 
 from fsm_kernel.errors import StoreLocationError
 from fsm_kernel.redact import redact, register_url_password
+from fsm_kernel.store._schema import (
+    ENDED,
+    RUN_SUSPENDED,
+    RUNNING,
+    WAITING,
+    status_after,
+    tokens_of,
+)
 from fsm_kernel.store.jsonl import JsonlEventStore, export_run, import_events
 from fsm_kernel.store.postgres import PostgresEventStore
 from fsm_kernel.store.sqlite import SqliteEventStore
 
 __all__ = [
     "ACCEPTED_STORE_LOCATIONS",
+    "ENDED",
+    "RUNNING",
+    "RUN_SUSPENDED",
+    "WAITING",
     "AnyEventStore",
     "JsonlEventStore",
     "PostgresEventStore",
@@ -30,6 +42,8 @@ __all__ = [
     "is_postgres_dsn",
     "open_store",
     "parse_store_location",
+    "status_after",
+    "tokens_of",
 ]
 
 _POSTGRES_SCHEMES = ("postgresql://", "postgres://")

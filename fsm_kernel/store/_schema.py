@@ -18,13 +18,19 @@ from fsm_kernel.protocol import Event, EventType, RunSummary
 __all__ = [
     "AMBIGUOUS_SHOWN",
     "COMPONENT",
+    "ENDED",
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
+    "RUNNING",
+    "RUN_SUSPENDED",
     "SCHEMA_VERSION",
     "SQLITE_MIGRATIONS_TABLE",
+    "SUMMARY_STATUSES",
+    "WAITING",
     "Migration",
     "RunDelta",
     "check_events",
+    "check_page",
     "clean_prefix",
     "decode_data",
     "encode_data",
@@ -33,7 +39,9 @@ __all__ = [
     "parse_ts",
     "plan_migrations",
     "resolve_run",
+    "status_after",
     "summarize_batch",
+    "tokens_of",
 ]
 
 COMPONENT = "events"
@@ -121,12 +129,53 @@ _RUN_STATUS = (
     "UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL",
     "CREATE INDEX runs_waiting ON runs (started_at DESC, run_id DESC) WHERE status = 'waiting'",
 )
-"""v2: a run's status (running, waiting for a person, ended), and the waiting runs found
-without a scan (`runs list --waiting`)."""
+"""v2: a run's status (running, waiting for a person, ended) and an index of the waiting ones."""
+
+# v3: what the run viewer lists and filters on without reading events: the tokens a run's
+# model calls used (filled in from the events of the runs already recorded), and an index per
+# filter, newest first like runs_started_at, so a filtered page costs what an unfiltered one
+# does.
+_TOKENS_BACKFILL = """UPDATE runs SET tokens = COALESCE(
+    (SELECT SUM(COALESCE(NULLIF(COALESCE({prompt}, 0) + COALESCE({completion}, 0), 0),
+                         {total}, 0))
+     FROM events e WHERE e.run_id = runs.run_id AND e.type = 'model.responded'), 0)"""
+_FILTER_INDEXES = (
+    "CREATE INDEX runs_workflow ON runs (workflow, started_at DESC, run_id DESC)",
+    "CREATE INDEX runs_status ON runs (status, started_at DESC, run_id DESC)",
+    "CREATE INDEX runs_reason ON runs (termination_reason, started_at DESC, run_id DESC)",
+)
+
+
+def _usage(sqlite: bool, key: str) -> str:
+    if sqlite:
+        return f"json_extract(e.data, '$.completion.usage.{key}')"
+    return f"(e.data->'completion'->'usage'->>'{key}')::bigint"
+
+
+def _tokens_backfill(*, sqlite: bool) -> str:
+    return _TOKENS_BACKFILL.format(
+        prompt=_usage(sqlite, "prompt_tokens"),
+        completion=_usage(sqlite, "completion_tokens"),
+        total=_usage(sqlite, "total_tokens"),
+    )
+
+
+_SQLITE_V3 = (
+    "ALTER TABLE runs ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0",
+    _tokens_backfill(sqlite=True),
+    *_FILTER_INDEXES,
+)
+
+_POSTGRES_V3 = (
+    "ALTER TABLE runs ADD COLUMN tokens BIGINT NOT NULL DEFAULT 0",
+    _tokens_backfill(sqlite=False),
+    *_FILTER_INDEXES,
+)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
     Migration(version=2, name="add_runs_status", sqlite=_RUN_STATUS, postgres=_RUN_STATUS),
+    Migration(version=3, name="add_runs_tokens", sqlite=_SQLITE_V3, postgres=_POSTGRES_V3),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -226,6 +275,50 @@ def check_events(events: Sequence[Event]) -> None:
             raise StoreError(f"event {event.run_id}#{event.seq}: timestamp must be timezone-aware")
 
 
+RUNNING = "running"
+WAITING = "waiting"
+ENDED = "ended"
+SUMMARY_STATUSES = frozenset({RUNNING, WAITING, ENDED})
+"""The values of RunSummary.status (and the runs table's status column)."""
+RUN_SUSPENDED = "run.suspended"
+"""The event a run that waits for a person (an approval, an input) ends its log with. Compared
+by its value: the status of a run is read the same way whichever code wrote the log."""
+
+
+def status_after(event: Event) -> str | None:
+    """The run's status once `event` happened, None when the event does not change it:
+    `running` from its start or a resume (which reopens an ending or a suspension), `waiting`
+    from a suspension, `ended` from its end (see RunSummary.status)."""
+    kind = event.type.value
+    if kind in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
+        return RUNNING
+    if kind == RUN_SUSPENDED:
+        return WAITING
+    if kind == EventType.RUN_TERMINATED:
+        return ENDED
+    return None
+
+
+def tokens_of(event: Event) -> int:
+    """The tokens a model answer used (prompt + completion as the server reported them, else
+    its total); 0 for any other event."""
+    if event.type is not EventType.MODEL_RESPONDED:
+        return 0
+    completion = event.data.get("completion")
+    usage = completion.get("usage") if isinstance(completion, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    try:
+        counts = [int(usage.get(key) or 0) for key in _USAGE_KEYS]
+    except (TypeError, ValueError):
+        return 0
+    prompt, completion_tokens, total = counts
+    return prompt + completion_tokens or total
+
+
+_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 @dataclass(kw_only=True)
 class RunDelta:
     """What one appended batch changes in one run's `runs` row."""
@@ -238,27 +331,43 @@ class RunDelta:
     started_at: datetime | None = None
     iterations: int = 0
     termination_reason: str | None = None
+    tokens: int = 0
+    """Tokens the batch's model answers used (added to the run's)."""
     status: str | None = None
-    """The run's status after the batch, when an event of the batch changes it."""
+    """The run's status after the batch; None when the batch does not change it."""
+
+    @property
+    def reopens(self) -> bool:
+        """The batch leaves the run running (a start or a resume): no earlier ending stands."""
+        return self.status == RUNNING
+
+    @property
+    def is_quiet(self) -> bool:
+        """The batch changes nothing in an existing `runs` row (bookkeeping events only)."""
+        return (
+            self.started_at is None
+            and self.iterations == 0
+            and self.termination_reason is None
+            and self.tokens == 0
+            and self.status is None
+        )
 
     def apply(self, event: Event) -> None:
         self.first_ts = min(self.first_ts, event.timestamp)
         self.last_ts = max(self.last_ts, event.timestamp)
+        self.tokens += tokens_of(event)
+        self.status = status_after(event) or self.status
+        if event.type is EventType.RUN_RESUMED:
+            self.termination_reason = None  # the ending it reopens is no longer the run's
         if event.type is EventType.RUN_STARTED:
             self.workflow = str(event.data.get("workflow") or "")
             self.goal = str(event.data.get("goal") or "")
             self.started_at = event.timestamp
-            self.status = "running"
         elif event.type is EventType.ITERATION_COMPLETED:
             self.iterations = max(self.iterations, event.iteration)
         elif event.type is EventType.RUN_TERMINATED:
             reason = event.data.get("reason")
             self.termination_reason = None if reason is None else str(reason)
-            self.status = "ended"
-        elif event.type is EventType.RUN_SUSPENDED:
-            self.status = "waiting"
-        elif event.type is EventType.RUN_RESUMED:  # reopens an ending or a suspension
-            self.termination_reason, self.status = None, "running"
 
     def merge_into(self, summary: RunSummary | None) -> RunSummary:
         """The run's summary after this batch (used by stores that keep summaries in memory)."""
@@ -270,19 +379,26 @@ class RunDelta:
                 started_at=self.started_at or self.first_ts,
                 iterations=self.iterations,
                 termination_reason=self.termination_reason,
-                status=self.status or "running",
+                tokens=self.tokens,
+                status=self.status or RUNNING,
+                updated_at=self.last_ts,
             )
-        reopened = self.status == "running"
+        if self.is_quiet:
+            return summary
+        updated = summary.updated_at
+        reason = self.termination_reason
+        if not self.reopens:
+            reason = reason or summary.termination_reason
         return RunSummary(
             run_id=self.run_id,
             workflow=summary.workflow if self.workflow is None else self.workflow,
             goal=summary.goal if self.goal is None else self.goal,
             started_at=summary.started_at if self.started_at is None else self.started_at,
             iterations=max(summary.iterations, self.iterations),
-            termination_reason=self.termination_reason
-            if reopened
-            else self.termination_reason or summary.termination_reason,
+            termination_reason=reason,
+            tokens=summary.tokens + self.tokens,
             status=self.status or summary.status,
+            updated_at=self.last_ts if updated is None else max(updated, self.last_ts),
         )
 
 
@@ -296,6 +412,14 @@ def summarize_batch(events: Iterable[Event]) -> list[RunDelta]:
             deltas[event.run_id] = delta
         delta.apply(event)
     return list(deltas.values())
+
+
+def check_page(limit: int, before: str | None, after: str | None) -> None:
+    """Refuse a negative page size, or paging both ways at once."""
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if before is not None and after is not None:
+        raise ValueError("give before or after, not both")
 
 
 AMBIGUOUS_SHOWN = 10

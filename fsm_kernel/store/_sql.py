@@ -13,22 +13,25 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self
 
-from fsm_kernel.errors import StoreConflictError, StoreError
-from fsm_kernel.protocol import Event, RunSummary
+from fsm_kernel.errors import RunNotFoundError, StoreConflictError, StoreError, StoreSchemaError
+from fsm_kernel.protocol import Event, RunFilter, RunSummary
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
     POSTGRES_MIGRATIONS_TABLE,
     SQLITE_MIGRATIONS_TABLE,
+    SUMMARY_STATUSES,
+    WAITING,
     Migration,
     RunDelta,
     check_events,
+    check_page,
     clean_prefix,
     decode_data,
     encode_data,
@@ -51,9 +54,13 @@ __all__ = [
     "SqlEventStore",
     "Statements",
     "event_row",
+    "like_escape",
+    "only_waiting",
     "row_event",
     "row_summary",
     "run_params",
+    "runs_query",
+    "runs_where",
 ]
 
 
@@ -91,6 +98,8 @@ class Dialect:
     """The two-argument maximum: SQLite's scalar MAX or PostgreSQL's GREATEST."""
     first_chars: str
     """SQL for the first n characters of run_id, `{}` standing for n's placeholder."""
+    like: str
+    """The pattern match that ignores the case of ASCII letters: SQLite's LIKE, or ILIKE."""
     byte_order: str
     """Appended to `ORDER BY run_id` so an exact id sorts before the ids it is a prefix of."""
     migrations_table: str
@@ -126,7 +135,9 @@ class Statements:
     select_events: str
     next_seq: str
     select_runs: str
-    select_waiting: str
+    """The runs' summaries, without WHERE, ORDER BY or LIMIT (see `runs_query`)."""
+    select_cursor: str
+    """A run's place in the newest-first order: (started_at, run_id)."""
     select_prefix: str
     event_exists: str
     select_migrations: str
@@ -146,19 +157,21 @@ def _statements(d: Dialect) -> Statements:
     # alone, so `updated_at` is when the run's summary last changed.
     conflict = f"""
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at,
-                  status)
+                  tokens, status)
 VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
-        {n("updated_at")}, COALESCE({n("status")}, 'running'))
+        {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'))
 ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
-    termination_reason = CASE WHEN {n("reopened")} = 1 THEN {n("reason")}
+    termination_reason = CASE WHEN {n("reopens")} THEN {n("reason")}
         ELSE COALESCE({n("reason")}, runs.termination_reason) END,
-    status = COALESCE({n("status")}, runs.status),
-    updated_at = {d.greatest}(runs.updated_at, {n("updated_at")})"""
+    updated_at = {d.greatest}(runs.updated_at, {n("updated_at")}),
+    tokens = runs.tokens + {n("tokens")},
+    status = COALESCE({n("status")}, runs.status)"""
     insert_run = (
         f"{conflict}\nWHERE excluded.iterations > runs.iterations "
-        f"OR excluded.termination_reason IS NOT NULL OR {n('changed')} = 1"
+        "OR excluded.termination_reason IS NOT NULL OR excluded.tokens > 0 "
+        f"OR {n('status_changed')}"
     )
     upsert_run = (
         f"{conflict}, workflow = {n('workflow')}, goal = {n('goal')}, "
@@ -177,14 +190,10 @@ ON CONFLICT (run_id) DO UPDATE SET
         ),
         next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
         select_runs=(
-            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, status "
-            f"FROM runs ORDER BY started_at DESC, run_id DESC LIMIT {p}"
+            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, "
+            "status, tokens, updated_at FROM runs"
         ),
-        select_waiting=(
-            "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, status "
-            "FROM runs WHERE status = 'waiting' "
-            f"ORDER BY started_at DESC, run_id DESC LIMIT {p}"
-        ),
+        select_cursor=f"SELECT started_at, run_id FROM runs WHERE run_id = {p}",
         select_prefix=(
             f"SELECT run_id FROM runs WHERE {d.first_chars.format(p)} = {p} "
             f"ORDER BY run_id{d.byte_order} LIMIT {p}"
@@ -230,6 +239,7 @@ SQLITE = Dialect(
     json_param="?",
     greatest="MAX",
     first_chars="substr(run_id, 1, {})",
+    like="LIKE",
     byte_order="",  # SQLite compares TEXT bytewise (BINARY) unless told otherwise
     migrations_table=SQLITE_MIGRATIONS_TABLE,
     migration_sql=_sqlite_statements,
@@ -245,6 +255,7 @@ POSTGRES = Dialect(
     json_param="%s::jsonb",
     greatest="GREATEST",
     first_chars="left(run_id, {})",
+    like="ILIKE",
     byte_order=' COLLATE "C"',  # the database's collation may not be byte order
     migrations_table=POSTGRES_MIGRATIONS_TABLE,
     migration_sql=_postgres_statements,
@@ -295,15 +306,16 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
         "iterations": delta.iterations,
         "reason": delta.termination_reason,
         "updated_at": d.to_db_ts(delta.last_ts),
+        "tokens": delta.tokens,
         "status": delta.status,
-        "changed": int(delta.status is not None),
-        "reopened": int(delta.status == "running"),
+        "status_changed": delta.status is not None,
+        "reopens": delta.reopens,
     }
 
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     """The RunSummary of a select_runs row."""
-    run_id, workflow, goal, started_at, iterations, reason, status = row
+    run_id, workflow, goal, started_at, iterations, reason, status, tokens, updated_at = row
     return RunSummary(
         run_id=run_id,
         workflow=workflow,
@@ -311,8 +323,69 @@ def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
         started_at=d.from_db_ts(started_at),
         iterations=int(iterations),
         termination_reason=reason,
+        tokens=int(tokens),
         status=status,
+        updated_at=d.from_db_ts(updated_at),
     )
+
+
+def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
+    """The WHERE clause (with a leading space; "" for none) and parameters of a filter."""
+    if where is None:
+        return "", []
+    p = d.param
+    clauses: list[str] = []
+    params: list[Any] = []
+    if where.workflow:
+        clauses.append(f"workflow = {p}")
+        params.append(where.workflow)
+    if where.status in SUMMARY_STATUSES:
+        clauses.append(f"status = {p}")
+        params.append(where.status)
+    elif where.status:  # a termination reason: only an ended run has one (a resume clears it)
+        clauses.append(f"termination_reason = {p}")
+        params.append(where.status)
+    if where.text:
+        pattern = "%" + like_escape(where.text) + "%"
+        clauses.append(
+            f"(run_id {d.like} {p} ESCAPE '\\' OR goal {d.like} {p} ESCAPE '\\')"
+        )
+        params += [pattern, pattern]
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def runs_query(
+    d: Dialect,
+    where: RunFilter | None,
+    *,
+    cursor: tuple[Any, str] | None,
+    older: bool,
+    limit: int,
+) -> tuple[str, list[Any]]:
+    """A page of runs: newest first, or, for the page before `cursor` (`older` False), oldest
+    first from it (the caller turns it round). Keyset paging on runs_started_at and its
+    siblings per filter, so a page deep in 100,000 runs costs what the first one does."""
+    sql, params = runs_where(d, where)
+    if cursor is not None:
+        op = "<" if older else ">"
+        keyset = f"(started_at, run_id) {op} ({d.param}, {d.param})"
+        sql += (" AND " if sql else " WHERE ") + keyset
+        params += list(cursor)
+    order = "DESC" if older else "ASC"
+    sql = (
+        f"{d.sql.select_runs}{sql} ORDER BY started_at {order}, run_id {order} LIMIT {d.param}"
+    )
+    return sql, [*params, limit]
+
+
+def only_waiting(where: RunFilter | None) -> RunFilter:
+    """`where`, narrowed to the runs waiting for a person."""
+    return replace(where or RunFilter(), status=WAITING)
+
+
+def like_escape(text: str) -> str:
+    """`text` matched literally by LIKE ... ESCAPE '\\' (no wildcards of its own)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -510,10 +583,7 @@ class SqlEventStore:
         d = self._dialect
         cur.executemany(d.sql.insert_event, job.rows)
         for sql, delta in job.runs:
-            quiet = (
-                delta.iterations == 0 and delta.termination_reason is None and delta.status is None
-            )
-            if sql is d.sql.insert_run and quiet and delta.run_id in self._known_runs:
+            if sql is d.sql.insert_run and delta.is_quiet and delta.run_id in self._known_runs:
                 continue  # the row exists and would stay as it is (see insert_run)
             cur.execute(sql, run_params(d, delta))
 
@@ -527,14 +597,46 @@ class SqlEventStore:
         sql = self._dialect.sql.next_seq
         return int(self._query(sql, (run_id,), what="next_seq failed")[0][0])
 
-    def list_runs(self, *, limit: int = 50, waiting: bool = False) -> list[RunSummary]:
-        """The `limit` most recently started runs, newest first (only the ones waiting for a
-        person when `waiting`)."""
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
-        sql = self._dialect.sql.select_waiting if waiting else self._dialect.sql.select_runs
-        rows = self._query(sql, (limit,), what="list_runs failed")
-        return [row_summary(self._dialect, row) for row in rows]
+    def list_runs(
+        self,
+        *,
+        limit: int = 50,
+        waiting: bool = False,
+        where: RunFilter | None = None,
+        before: str | None = None,
+        after: str | None = None,
+    ) -> list[RunSummary]:
+        """The `limit` most recently started runs that `where` keeps (only the ones waiting for
+        a person when `waiting`), newest first; with `before` (a run id) only those that come
+        after that run in this order (the next page), with `after` only those before it (the
+        previous page; still newest first).
+
+        Raises:
+            RunNotFoundError: `before` or `after` names no run.
+        """
+        check_page(limit, before, after)
+        where = only_waiting(where) if waiting else where
+        cursor = None
+        if before is not None or after is not None:
+            cursor = self._cursor(str(before if before is not None else after))
+        sql, params = runs_query(
+            self._dialect, where, cursor=cursor, older=after is None, limit=limit
+        )
+        rows = self._query(sql, params, what="list_runs failed")
+        runs = [row_summary(self._dialect, row) for row in rows]
+        return runs if after is None else runs[::-1]
+
+    def count_runs(self, *, where: RunFilter | None = None) -> int:
+        """How many runs `where` keeps."""
+        sql, params = runs_where(self._dialect, where)
+        rows = self._query(f"SELECT COUNT(*) FROM runs{sql}", params, what="count_runs failed")
+        return int(rows[0][0])
+
+    def _cursor(self, run_id: str) -> tuple[Any, str]:
+        rows = self._query(self._dialect.sql.select_cursor, (run_id,), what="list_runs failed")
+        if not rows:
+            raise RunNotFoundError(f"no run with id {run_id!r}", run_id=run_id)
+        return rows[0][0], rows[0][1]
 
     def find_run(self, prefix: str) -> str:
         """The full id of the run `prefix` names (a full id or a unique prefix of one).
@@ -554,18 +656,32 @@ class SqlEventStore:
             except self._driver_error as exc:
                 raise self._error(what, exc) from exc
 
-    def _migrate_or_close(self) -> None:
-        """Set up the append queue and the schema when the store opens; close the store if
-        that fails."""
+    def _migrate_or_close(self, *, read_only: bool = False) -> None:
+        """Set up the append queue and the schema when the store opens (only check the schema
+        when it is opened read-only); close the store if that fails."""
         self._queue_lock = threading.Lock()
         self._queue: list[PendingAppend] = []
         self._known_runs: set[str] = set()
         self._mode_set: bool | None = None
         try:
-            self._migrate()
+            self._check_schema() if read_only else self._migrate()
         except BaseException:
             self.close()
             raise
+
+    def _check_schema(self) -> None:
+        """StoreSchemaError unless the schema is this code's, migrations and all."""
+        sql = self._dialect.sql.select_migrations
+        try:
+            rows = self._query(sql, (COMPONENT,), what="cannot read the event store schema")
+        except StoreError as exc:
+            raise StoreSchemaError(f"{self._where}: not an fsm-kernel event store ({exc})") from exc
+        if plan_migrations(dict(rows), where=self._where):
+            raise StoreSchemaError(
+                f"{self._where}: the event store was written by an older fsm-kernel; open it "
+                "once read-write (any fsm-kernel command, e.g. `fsm-kernel runs list`) to "
+                "upgrade it"
+            )
 
     def _migrate(self) -> None:
         """Apply the pending migrations in one transaction (StoreSchemaError for a schema this

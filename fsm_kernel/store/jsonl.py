@@ -20,6 +20,7 @@ import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,12 +31,15 @@ from fsm_kernel.errors import (
     StoreError,
     StoreSchemaError,
 )
-from fsm_kernel.protocol import Event, EventStore, RunSummary
+from fsm_kernel.protocol import Event, EventStore, RunFilter, RunSummary
 from fsm_kernel.redact import redact_data
 from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
+    SUMMARY_STATUSES,
+    WAITING,
     check_events,
+    check_page,
     clean_prefix,
     encode_data,
     make_event,
@@ -184,18 +188,45 @@ class JsonlEventStore:
             seqs = self._events.get(run_id)
             return max(seqs) + 1 if seqs else 1
 
-    def list_runs(self, *, limit: int = 50, waiting: bool = False) -> list[RunSummary]:
-        """The `limit` most recently started runs, newest first (only the ones waiting for a
-        person when `waiting`)."""
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+    def list_runs(
+        self,
+        *,
+        limit: int = 50,
+        waiting: bool = False,
+        where: RunFilter | None = None,
+        before: str | None = None,
+        after: str | None = None,
+    ) -> list[RunSummary]:
+        """The `limit` most recently started runs that `where` keeps (only the ones waiting for
+        a person when `waiting`), newest first; `before` and `after` (run ids) page as in the
+        SQL stores (see SqlEventStore.list_runs).
+
+        Raises:
+            RunNotFoundError: `before` or `after` names no run.
+        """
+        check_page(limit, before, after)
+        if waiting:
+            where = replace(where or RunFilter(), status=WAITING)
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
-            runs = sorted(
-                (r for r in self._runs.values() if r.status == "waiting" or not waiting),
-                key=lambda r: (r.started_at, r.run_id),
-            )
-        return runs[::-1][:limit]
+            runs = [r for r in self._runs.values() if _keeps(where, r)]
+            cursor = before if before is not None else after
+            if cursor is not None and cursor not in self._runs:
+                raise RunNotFoundError(f"no run with id {cursor!r}", run_id=cursor)
+            mark = None if cursor is None else _order(self._runs[cursor])
+        runs.sort(key=_order, reverse=True)
+        if mark is None:
+            return runs[:limit]
+        if before is not None:
+            return [r for r in runs if _order(r) < mark][:limit]
+        newer = [r for r in runs if _order(r) > mark]
+        return newer[max(0, len(newer) - limit) :]
+
+    def count_runs(self, *, where: RunFilter | None = None) -> int:
+        """How many runs `where` keeps."""
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            return sum(1 for r in self._runs.values() if _keeps(where, r))
 
     def find_run(self, prefix: str) -> str:
         """The full id of the run `prefix` names (a full id or a unique prefix of one).
@@ -361,6 +392,34 @@ def import_events(store: EventStore, path: str | Path) -> int:
     store.append(events)
     logger.info("imported %d events from %s", len(events), source)
     return len(events)
+
+
+def _order(run: RunSummary) -> tuple[datetime, str]:
+    return run.started_at, run.run_id
+
+
+def _keeps(where: RunFilter | None, run: RunSummary) -> bool:
+    if where is None:
+        return True
+    if where.workflow and run.workflow != where.workflow:
+        return False
+    if where.status in SUMMARY_STATUSES and run.status != where.status:
+        return False
+    if where.status not in SUMMARY_STATUSES and where.status:
+        if run.termination_reason != where.status:  # only an ended run has one
+            return False
+    if where.text:
+        # Like the databases' LIKE/ILIKE: ASCII letters in either case, anything else exactly.
+        needle = _ascii_lower(where.text)
+        return needle in _ascii_lower(run.run_id) or needle in _ascii_lower(run.goal)
+    return True
+
+
+def _ascii_lower(text: str) -> str:
+    return text.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def _open(path: Path) -> int:

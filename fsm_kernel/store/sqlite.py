@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from urllib.parse import quote
 
 from fsm_kernel.errors import StoreError
 from fsm_kernel.protocol import Event
@@ -38,6 +39,10 @@ class SqliteEventStore(SqlEventStore):
     the commit (`synchronous=NORMAL`) survives the process dying but reaches the disk with the
     next durable commit. Appends from several threads at once share one transaction and one
     sync (see SqlEventStore.append). `path` may be ":memory:" for a throwaway store.
+
+    With `read_only=True` the file is opened read-only (`mode=ro`) for readers such as the
+    run viewer: it must exist with this code's schema, appends fail, and in WAL mode its reads
+    never block the processes writing runs to it (nor are they blocked by them).
     """
 
     _dialect = SQLITE
@@ -45,7 +50,9 @@ class SqliteEventStore(SqlEventStore):
     _driver_error = sqlite3.Error
     _unique_violation = sqlite3.IntegrityError
 
-    def __init__(self, path: str | Path, *, busy_timeout: float = _BUSY_TIMEOUT_S) -> None:
+    def __init__(
+        self, path: str | Path, *, busy_timeout: float = _BUSY_TIMEOUT_S, read_only: bool = False
+    ) -> None:
         self.path = Path(path).expanduser() if str(path) != ":memory:" else Path(":memory:")
         self._where = str(self.path)
         self._lock = threading.Lock()
@@ -54,8 +61,10 @@ class SqliteEventStore(SqlEventStore):
         self._run_locks = RunLockFile(lock_path)
         self._busy_ms = int(busy_timeout * 1000)
         self._commits = 0
-        self._conn: sqlite3.Connection | None = _connect(self.path, busy_timeout)
-        self._migrate_or_close()
+        self.read_only = read_only
+        connect = _connect_read_only if read_only else _connect
+        self._conn: sqlite3.Connection | None = connect(self.path, busy_timeout)
+        self._migrate_or_close(read_only=read_only)
 
     def __repr__(self) -> str:
         return f"SqliteEventStore({str(self.path)!r})"
@@ -137,6 +146,8 @@ class SqliteEventStore(SqlEventStore):
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves so the write lock is taken
         # up front (waiting busy_timeout) instead of failing mid-transaction on an upgrade.
         conn = self._live()
+        if self.read_only:
+            raise StoreError(f"{self.path}: the event store is open read-only")
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
@@ -172,6 +183,21 @@ def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
         if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
             raise StoreError(f"{path}: not an SQLite database ({exc})") from exc
         raise StoreError(f"{path}: cannot configure SQLite database: {exc}") from exc
+    return conn
+
+
+def _connect_read_only(path: Path, busy_timeout: float) -> sqlite3.Connection:
+    if not path.is_file():
+        raise StoreError(f"{path}: no such event store")
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    try:
+        conn = sqlite3.connect(
+            uri, uri=True, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        conn.execute("PRAGMA query_only = 1")
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: cannot open SQLite database read-only: {exc}") from exc
     return conn
 
 

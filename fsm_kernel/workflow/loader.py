@@ -249,7 +249,9 @@ def _error_location(err: Any, locs: Locations, path: str) -> SourceLocation | st
     return path
 
 
-def load_workflow_text(text: str, *, path: str = "<string>") -> WorkflowSpec:
+def load_workflow_text(
+    text: str, *, path: str = "<string>", import_code: bool = True
+) -> WorkflowSpec:
     """Parse and validate a workflow from text (see load_workflow)."""
     from fsm_kernel.workflow.validate import validate_workflow
 
@@ -267,12 +269,16 @@ def load_workflow_text(text: str, *, path: str = "<string>") -> WorkflowSpec:
     spec._path = path
     spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
     spec._locations = locs
-    validate_workflow(spec)
+    validate_workflow(spec, import_code=import_code)
     return spec
 
 
-def load_workflow(path: str | Path) -> WorkflowSpec:
+def load_workflow(path: str | Path, *, import_code: bool = True) -> WorkflowSpec:
     """Load, parse and validate a workflow file.
+
+    With `import_code=False` the file is read as data only: the structure is checked, but the
+    `package.module:function` actions and guards it names are neither imported nor checked (for
+    drawing a workflow one does not mean to run, as the run viewer does).
 
     Raises:
         WorkflowSyntaxError: the file is not YAML, or breaks a MAX_YAML_* limit.
@@ -287,4 +293,4 @@ def load_workflow(path: str | Path) -> WorkflowSpec:
         raise WorkflowValidationError(f"{p}: no such workflow file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkflowValidationError(f"{p}: cannot read: {exc}") from None
-    return load_workflow_text(text, path=str(path))
+    return load_workflow_text(text, path=str(path), import_code=import_code)

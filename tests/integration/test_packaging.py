@@ -24,6 +24,9 @@ def test_wheel_ships_stock_workflows_memory_and_plugin(tmp_path: Path) -> None:
     for memory in (ROOT / "memory").glob("*.md"):
         assert f"fsm_kernel/data/memory/{memory.name}" in names
     assert "fsm_kernel/py.typed" in names
+    ui = ROOT / "fsm_kernel" / "ui"
+    for asset in [*ui.glob("templates/*.html"), *ui.glob("static/*")]:  # the viewer's, no build
+        assert f"fsm_kernel/ui/{asset.relative_to(ui)}" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "fsm-kernel = fsm_kernel.cli:main" in text

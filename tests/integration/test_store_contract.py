@@ -29,6 +29,7 @@ from fsm_kernel.protocol import (
     EventStore,
     EventType,
     Message,
+    RunFilter,
     Tool,
     ToolCall,
 )
@@ -40,6 +41,7 @@ from fsm_kernel.store import (
     export_run,
     import_events,
 )
+from fsm_kernel.store._sql import event_row
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 3, 1, 12, 0, 0, 250000, tzinfo=UTC)
@@ -590,6 +592,166 @@ def test_export_of_an_unknown_run(store: AnyEventStore, tmp_path: Path) -> None:
 def test_list_runs_rejects_a_negative_limit(store: AnyEventStore) -> None:
     with pytest.raises(ValueError, match="limit"):
         store.list_runs(limit=-1)
+
+
+# --- summaries, filters and pages (the run viewer's listing) ----------------------------------
+
+
+def responded(run_id: str, seq: int, usage: dict[str, int]) -> Event:
+    completion = {"message": {"role": "assistant", "content": "x"}, "usage": usage}
+    return ev(run_id, seq, EventType.MODEL_RESPONDED, data={"completion": completion})
+
+
+def test_summaries_carry_tokens_status_and_last_change(store: AnyEventStore) -> None:
+    store.append([started("r")])
+    assert store.list_runs()[0].status == "running"
+    store.append([responded("r", 2, {"prompt_tokens": 10, "completion_tokens": 5})])
+    store.append([responded("r", 3, {"total_tokens": 7}), ev("r", 4)])  # no split: the total
+    store.append([ev("r", 5, EventType.RUN_TERMINATED, data={"reason": "agent_error"})])
+
+    (run,) = store.list_runs()
+    assert (run.tokens, run.status, run.termination_reason) == (22, "ended", "agent_error")
+    assert run.shown_status == "agent_error"
+    assert run.updated_at == T0 + timedelta(seconds=5)
+
+    store.append([ev("r", 6, EventType.RUN_RESUMED, data={})])  # a resume reopens it
+    (run,) = store.list_runs()
+    assert (run.status, run.termination_reason, run.tokens) == ("running", None, 22)
+    store.append([ev("r", 7, EventType.RUN_TERMINATED, data={"reason": "done"})])
+    assert store.list_runs()[0].shown_status == "done"
+    assert store.list_runs()[0].updated_at == T0 + timedelta(seconds=7)
+
+
+def _fill(store: AnyEventStore) -> list[str]:
+    """Nine runs a minute apart, newest last: workflows, statuses and goals to filter on."""
+    ids = [f"run-{i}" for i in range(9)]
+    for i, run_id in enumerate(ids):
+        workflow = "react" if i % 3 == 0 else "default"
+        goal = "Find the 50% FILE" if i == 4 else f"task {i}"
+        store.append([started(run_id, ts=T0 + timedelta(minutes=i), workflow=workflow, goal=goal)])
+        if i % 2 == 0:
+            data = {"reason": "done" if i % 4 == 0 else "max_iterations"}
+            store.append([ev(run_id, 2, EventType.RUN_TERMINATED, data=data)])
+    return ids
+
+
+def ids_of(runs: Sequence[Any]) -> list[str]:
+    return [r.run_id for r in runs]
+
+
+def test_list_runs_filters_by_workflow_status_and_text(store: AnyEventStore) -> None:
+    _fill(store)
+
+    react = RunFilter(workflow="react")
+    assert ids_of(store.list_runs(where=react)) == ["run-6", "run-3", "run-0"]
+    assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["run-8", "run-4", "run-0"]
+    ended = RunFilter(status="ended", workflow="react")
+    assert ids_of(store.list_runs(where=ended)) == ["run-6", "run-0"]
+    running = RunFilter(status="running", workflow="default")
+    assert ids_of(store.list_runs(where=running)) == ["run-7", "run-5", "run-1"]
+    assert ids_of(store.list_runs(where=RunFilter(text="50% file"))) == ["run-4"]  # any case
+    assert ids_of(store.list_runs(where=RunFilter(text="RUN-8"))) == ["run-8"]  # the id too
+    assert store.list_runs(where=RunFilter(text="5_%")) == []  # no wildcards of its own
+    assert store.list_runs(where=RunFilter(text="task 4")) == []
+    assert store.count_runs() == 9
+    assert store.count_runs(where=react) == 3
+    assert store.count_runs(where=RunFilter(status="max_iterations", text="task")) == 2
+    assert store.list_runs(where=RunFilter()) == store.list_runs()
+
+
+def test_list_runs_pages_both_ways_with_a_run_id_as_the_cursor(store: AnyEventStore) -> None:
+    ids = _fill(store)[::-1]  # newest first
+
+    first = ids_of(store.list_runs(limit=4))
+    second = ids_of(store.list_runs(limit=4, before=first[-1]))
+    last = ids_of(store.list_runs(limit=4, before=second[-1]))
+    assert [first, second, last] == [ids[:4], ids[4:8], ids[8:]]
+    assert store.list_runs(limit=4, before=last[-1]) == []
+    assert ids_of(store.list_runs(limit=4, after=second[0])) == first  # back, newest first
+    assert ids_of(store.list_runs(limit=2, after=second[0])) == ids[2:4]  # the nearest ones
+    assert store.list_runs(limit=4, after=first[0]) == []
+    default = RunFilter(workflow="default")
+    assert ids_of(store.list_runs(limit=2, where=default, before="run-7")) == ["run-5", "run-4"]
+    with pytest.raises(RunNotFoundError):
+        store.list_runs(before="nope")
+    with pytest.raises(ValueError, match="not both"):
+        store.list_runs(before=ids[0], after=ids[1])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_runs_recorded_by_an_older_schema_get_tokens_and_status(
+    backend: Backend, version: int
+) -> None:
+    if backend.kind == "jsonl":
+        pytest.skip("a JSON Lines log has no schema: its summaries are computed when read")
+    _write_old_version(backend, version)
+
+    with backend.open() as store:
+        runs = {r.run_id: r for r in store.list_runs()}
+        assert (runs["old"].tokens, runs["old"].status, runs["old"].shown_status) == (
+            17, "ended", "done"
+        )  # fmt: skip
+        assert (runs["live"].tokens, runs["live"].status) == (0, "running")
+        store.append([responded("live", 3, {"prompt_tokens": 2, "completion_tokens": 1})])
+        assert {r.run_id: r.tokens for r in store.list_runs()}["live"] == 3
+        assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["old"]
+
+
+def _write_old_version(backend: Backend, version: int) -> None:
+    """A store as an earlier fsm-kernel left it: migrated up to `version` only."""
+    from fsm_kernel.store._schema import MIGRATIONS
+    from fsm_kernel.store._sql import POSTGRES, SQLITE
+
+    applied = MIGRATIONS[:version]
+    dialect = SQLITE if backend.kind == "sqlite" else POSTGRES
+    events = [
+        started("old"),
+        responded("old", 2, {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}),
+        ev("old", 3, EventType.RUN_TERMINATED, data={"reason": "done"}),
+        started("live"),
+        started("resumed"),
+        ev("resumed", 2, EventType.RUN_TERMINATED, data={"reason": "agent_error"}),
+        ev("resumed", 3, EventType.RUN_RESUMED, data={}),
+    ]
+    runs = [
+        ("old", "default", "g", T0, 1, "done", T0),
+        ("live", "default", "g", T0, 0, None, T0),
+        ("resumed", "default", "g", T0, 0, "agent_error", T0),
+    ]
+    p = dialect.param
+    statements = [dialect.migrations_table]
+    for migration in applied:
+        statements += migration.sqlite if dialect is SQLITE else migration.postgres
+    if backend.kind == "sqlite":
+        import sqlite3
+
+        Path(backend.location).parent.mkdir(parents=True, exist_ok=True)
+        conn: Any = sqlite3.connect(backend.location, isolation_level=None)
+    else:
+        import psycopg
+
+        conn = psycopg.connect(backend.location, autocommit=True)
+    try:
+        for statement in statements:
+            conn.execute(statement)
+        for migration in applied:
+            conn.execute(
+                f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
+                ("events", migration.version, migration.name, dialect.to_db_ts(T0)),
+            )
+        for event in events:
+            conn.execute(dialect.sql.insert_event, event_row(dialect, event))
+        for row in runs:  # the columns of version 1
+            values = [*row[:3], dialect.to_db_ts(row[3]), *row[4:6], dialect.to_db_ts(row[6])]
+            conn.execute(
+                "INSERT INTO runs (run_id, workflow, goal, started_at, iterations, "
+                f"termination_reason, updated_at) VALUES ({', '.join([p] * 7)})",
+                values,
+            )
+        if version >= 2:  # as that version's code kept it
+            conn.execute("UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL")
+    finally:
+        conn.close()
 
 
 # --- run locks ---------------------------------------------------------------------------------

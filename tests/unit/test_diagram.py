@@ -17,6 +17,7 @@ from fsm_kernel.diagram import (
     edge_label,
     overlay_problems,
     render,
+    render_svg,
     to_dot,
     to_mermaid,
 )
@@ -446,6 +447,29 @@ def test_render_png_and_dot_errors(default: WorkflowSpec, tmp_path: Path) -> Non
     assert out.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ConfigError, match=r"^dot failed: .*syntax error"):
         render("digraph { a -> }", "svg", tmp_path / "bad.svg")
+
+
+def test_the_legend_can_be_left_out(default: WorkflowSpec) -> None:
+    with_legend, without = to_dot(default), to_dot(default, legend=False)
+    assert "_legend" in with_legend
+    assert "_legend" not in without
+    assert "cluster" not in without
+    assert without == with_legend[: with_legend.index("\tsubgraph cluster_legend")] + "}\n"
+
+
+@pytest.mark.skipif(not HAS_DOT, reason="the dot program is not installed")
+def test_render_svg_returns_the_text(default: WorkflowSpec) -> None:
+    svg = render_svg(to_dot(default))
+    assert svg.lstrip().startswith("<?xml")
+    assert "<title>think&#45;&gt;act</title>" in svg
+    with pytest.raises(ConfigError, match=r"^dot failed: .*syntax error"):
+        render_svg("digraph { a -> }")
+
+
+def test_render_svg_without_dot_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="apt-get install graphviz"):
+        render_svg("digraph {}")
 
 
 # -- diagrams/ is in sync with workflows/ --------------------------------------------------------

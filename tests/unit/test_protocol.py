@@ -192,10 +192,12 @@ def test_run_summary_to_dict() -> None:
         "run_id": "r",
         "workflow": "default",
         "started_at": "2025-01-02T03:04:05+00:00",
-        "status": "running",
         "goal": "g",
         "iterations": 2,
+        "status": "running",
         "termination_reason": None,
+        "tokens": 0,
+        "updated_at": None,
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import fsm_kernel.store.sqlite as sqlite_module
-from fsm_kernel.errors import StoreConflictError
+from fsm_kernel.errors import StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import SqliteEventStore
 
@@ -180,3 +180,55 @@ def test_a_reopened_store_creates_the_runs_row_of_a_bookkeeping_batch(tmp_path: 
     with SqliteEventStore(tmp_path / "runs.db") as store:
         store.append([ev(2)], durable=False)  # a run seen before its start: the row is made
         assert [r.run_id for r in store.list_runs()] == ["r"]
+
+
+# --- read-only (the run viewer) ---------------------------------------------------------------
+
+
+def test_a_read_only_store_reads_while_a_writer_holds_the_write_lock(
+    store: SqliteEventStore,
+) -> None:
+    store.append([ev(2, EventType.ITERATION_COMPLETED, iteration=1)])
+    writer = sqlite3.connect(store.path, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # a run in the middle of a commit
+        writer.execute("UPDATE runs SET goal = 'changing'")
+        with SqliteEventStore(store.path, read_only=True, busy_timeout=0) as reader:
+            assert [e.seq for e in reader.read("r")] == [1, 2]
+            assert reader.list_runs()[0].goal == "g"  # the last committed state
+            assert reader.count_runs() == 1
+        writer.execute("COMMIT")
+    finally:
+        writer.close()
+    store.append([ev(3)])  # and the reader never held up the writer
+
+
+def test_a_read_only_store_refuses_appends_and_sees_later_commits(
+    store: SqliteEventStore,
+) -> None:
+    with SqliteEventStore(store.path, read_only=True) as reader:
+        with pytest.raises(StoreError, match="read-only"):
+            reader.append([ev(2)])
+        store.append([ev(2, EventType.ITERATION_COMPLETED, iteration=1)])
+        assert reader.next_seq("r") == 3
+        assert reader.list_runs()[0].iterations == 1
+    assert [e.seq for e in store.read("r")] == [1, 2]
+
+
+def test_a_read_only_store_must_exist_with_the_current_schema(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no such event store"):
+        SqliteEventStore(tmp_path / "missing.db", read_only=True)
+    assert not (tmp_path / "missing.db").exists()
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+    with pytest.raises(StoreSchemaError, match="not an fsm-kernel event store"):
+        SqliteEventStore(other, read_only=True)
+    old = tmp_path / "old.db"
+    with SqliteEventStore(old) as current:
+        current.append([ev(1, EventType.RUN_STARTED)])
+    conn = sqlite3.connect(old)
+    conn.execute("DELETE FROM schema_migrations WHERE version > 1")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreSchemaError, match="older fsm-kernel"):
+        SqliteEventStore(old, read_only=True)

@@ -555,3 +555,30 @@ def test_guard_accepts_a_name_or_a_list() -> None:
     assert spec.transitions[0].guard == ["has_answer"]
     assert spec.transitions[1].guard == ["has_answer", "done_called"]
     assert spec.transitions[1].label() == "has_answer and done_called"
+
+
+def test_a_workflow_read_as_data_imports_nothing_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`import_code=False` (the run viewer): the structure is checked, the code is not run."""
+    marker = tmp_path / "imported"
+    (tmp_path / "side_effect_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef act(ctx): pass\ndef ok(ctx): return True\n"
+    )
+    text = DEFAULT.read_text().replace(
+        "action: tools.execute", "action: side_effect_mod:act"
+    ).replace("guard: done_called", "guard: side_effect_mod:ok")
+    path = tmp_path / "custom.yaml"
+    path.write_text(text)
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = load_workflow(path, import_code=False)
+
+    assert spec.states["act"].action == "side_effect_mod:act"
+    assert not marker.exists()
+    load_workflow(path)  # as `run` loads it: the module is imported
+    assert marker.exists()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(text.replace("target: evaluate", "target: nowhere"))
+    with pytest.raises(WorkflowValidationError, match="unknown target state 'nowhere'"):
+        load_workflow(broken, import_code=False)  # the structure is still checked
