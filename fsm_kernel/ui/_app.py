@@ -15,9 +15,10 @@ Routes:
     GET  /scheduler                          dispatches by cycle (with --scheduler)
     GET  /scheduler/table                    the dispatches alone (the page refreshes it)
     POST /scheduler/dispatches/{id}/cancel   cancel a dispatch (as `dispatches --cancel`)
+    POST /runs/{run_id}/answer               answer a waiting run (as `resume --approve ...`)
 
-A run waiting for a person shows its question in _run_waiting.html; answering it from the page
-is a form there posting to a route made with `post_action` (CSRF-checked, like the cancel).
+A run waiting for a person shows its question in _run_waiting.html with the forms that answer
+it (approve, reject with a reason, or input), posting to `answer_run`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from starlette.staticfiles import StaticFiles
 
 from fsm_kernel.errors import RunNotFoundError, StoreConflictError
 from fsm_kernel.protocol import RunFilter
+from fsm_kernel.ui._answers import AnswerRejected, parse_answer, start_resume
 from fsm_kernel.ui._dispatches import group_cycles
 from fsm_kernel.ui._reader import UiReader, status_class, stock_workflows
 from fsm_kernel.ui._security import (
@@ -339,6 +341,30 @@ def cancel_dispatch(request: Request, fields: dict[str, str]) -> Response:
     return RedirectResponse(f"/scheduler#d-{dispatch_id}", status_code=303)
 
 
+def answer_run(request: Request, fields: dict[str, str]) -> Response:
+    """Answer the question a run waits on, exactly as `fsm-kernel resume` with the answer does;
+    409 when the run no longer waits on the question the page showed (`seq`)."""
+    reader = _reader(request)
+    run_id = request.path_params["run_id"]
+    try:
+        view = reader.run(run_id)
+    except RunNotFoundError:
+        return _not_found(request, f"no run {run_id}")
+    page = _page(request)
+    waiting = view.waiting
+    if waiting is None or fields.get("seq") != str(waiting.seq):
+        message = "the run no longer waits for that answer (reload the page)"
+        return page.html(request, "error.html", 409, message=message)
+    if reader.location is None:
+        return page.html(request, "error.html", 409, message="the store's location is unknown")
+    try:
+        answer = parse_answer(fields, waiting.kind)
+        start_resume(reader.location, view.run_id, answer)
+    except AnswerRejected as exc:
+        return page.html(request, "error.html", exc.status, message=str(exc))
+    return RedirectResponse(f"/runs/{view.run_id}", status_code=303)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = "no such page" if exc.status_code == 404 else str(exc.detail)
@@ -379,6 +405,7 @@ def create_app(
         Route("/workflows/run/{run_id}", run_workflow),
         Route("/scheduler", scheduler),
         Route("/scheduler/table", scheduler_table),
+        Route("/runs/{run_id}/answer", post_action(answer_run), methods=["POST"]),
         Route(
             "/scheduler/dispatches/{dispatch_id}/cancel",
             post_action(cancel_dispatch),

@@ -93,7 +93,7 @@ def test_every_answer_carries_the_security_headers(store: Path, viewers: list[Vi
         assert "unsafe-inline" not in csp
         assert answer.headers["x-content-type-options"] == "nosniff"
         assert answer.headers["x-frame-options"] == "DENY"
-        assert answer.headers["referrer-policy"] == "no-referrer"
+        assert answer.headers["referrer-policy"] == "same-origin"
     assert [a.status_code for a in answers] == [401, 303, 200, 404, 200]
 
 
