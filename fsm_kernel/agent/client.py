@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import random as _random
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ _NO_TOOLS_MARKERS = (
 # server says it with a 500 ("1 validation error: {... 'loc': ('body', 'response_format',
 # 'type'), 'msg': "Input should be 'text' or 'json_object'" ...}"): any status naming the field
 # is a refusal, never worth a retry.
+_REFUSES_STREAM = re.compile(r"\bstream(_options|ing)?\b", re.IGNORECASE)
+"""A 400 naming the stream fields: a server (or proxy) that does not take `stream` or
+`stream_options` is asked again, and from then on, without streaming."""
 _NO_FORMAT_MARKERS = ("response_format", "response format", "json_schema")
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -345,6 +349,10 @@ class HttpChatModel:
             return await self._exchange(streaming, progress)
         except StreamFormatError as exc:
             self._fall_back(str(exc), progress)
+        except AgentBadRequestError as exc:  # e.g. "Unrecognized argument: stream_options"
+            if not _REFUSES_STREAM.search(exc.body or ""):
+                raise
+            self._fall_back(f"it refused a streamed request: {exc.message}", progress)
         return await self._exchange(payload, progress)
 
     def _fall_back(self, reason: str, progress: _Progress) -> None:

@@ -33,6 +33,7 @@ from tests.fakes.openai_server import (
     FakeOpenAIServer,
     StreamStyle,
     call,
+    http_error,
     reply_from_spec,
     sse_reply,
     streamed,
@@ -501,3 +502,43 @@ def test_fake_server_stream_specs() -> None:
     assert styled.stream_style == StreamStyle(text_piece=1, crlf=True)
     raw = reply_from_spec({"sse": [{"choices": []}, ": ping\n\n"], "done": False})
     assert raw.events == (b'data: {"choices": []}\n\n', b": ping\n\n")
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        "Unrecognized request argument supplied: stream_options",
+        "streaming is not supported by this deployment",
+    ],
+)
+def test_a_server_that_refuses_streamed_requests_is_asked_without_streaming(
+    server: FakeOpenAIServer, refusal: str
+) -> None:
+    def picky(request: dict[str, Any]) -> Any:
+        if "stream" in request or "stream_options" in request:
+            return http_error(400, {"error": {"message": refusal, "type": "invalid_request"}})
+        return text_reply("plain")
+
+    server.enqueue(picky, picky, picky)
+
+    async def two_calls() -> list[str]:
+        async with HttpChatModel(settings_for(server.base_url)) as model:
+            first = await model.complete(HELLO, [])
+            second = await model.complete(HELLO, [])
+            return [first.message.content, second.message.content]
+
+    answers, seen = watch(two_calls())
+
+    assert answers == ["plain", "plain"]
+    assert ["stream" in r for r in server.requests] == [True, False, False]
+    (notice,) = notices(seen)
+    assert notice.kind == "stream_fallback"
+    assert refusal in notice.detail["reason"]
+
+
+def test_another_bad_request_to_a_streamed_request_is_not_a_stream_refusal(
+    server: FakeOpenAIServer,
+) -> None:
+    server.enqueue(http_error(400, {"error": {"message": "model 'x' not found"}}))
+    expect(AgentBadRequestError, ask(server.base_url))
+    assert len(server.requests) == 1
