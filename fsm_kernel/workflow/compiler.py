@@ -85,17 +85,25 @@ class Machine:
         return self.step()
 
     def step(self) -> FiredTransition:
-        """Fire the first transition out of the current state whose guards pass."""
+        """Fire the first transition out of the current state whose guards pass.
+
+        The engine decides each situation once: a state whose guards are all built-in (pure
+        functions of the context) is decided by the values they have now, so when the same
+        values come again the engine's earlier decision is taken at once (its `on` callback
+        run, the state set) instead of sending the event through the engine again. Users'
+        guards, and edges into final states (the engine stops there), always go through it."""
         source = self.state
         self.ctx.notes.fired = None
-        try:
-            self._sm.send(EVENT_NAME)
-        except TransitionNotAllowed:
-            raise NoTransitionError(
-                f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id
-            ) from None
-        index = self.ctx.notes.fired
-        assert index is not None, "a fired transition always marks itself"
+        guards = self.compiled.pure_guards.get(source)
+        key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
+        index = self.compiled.decisions.get(key) if key is not None else None
+        if index is not None:
+            self.compiled.on_fire[index](self.ctx)
+            self._sm.current_state_value = self.compiled.targets[index]
+        else:
+            index = self._send(source)
+            if key is not None and not self.is_final:
+                self.compiled.decisions[key] = index
         self.ctx.current_state = self.state
         edge = self.compiled.spec.catch_edge(index)
         if edge is not None:
@@ -111,6 +119,17 @@ class Machine:
         t = self.compiled.spec.transitions[index]
         return FiredTransition(index, t.source, t.target, t.label(), t.reason, self.is_final)
 
+    def _send(self, source: str) -> int:
+        try:
+            self._sm.send(EVENT_NAME)
+        except TransitionNotAllowed:
+            raise NoTransitionError(
+                f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id
+            ) from None
+        index = self.ctx.notes.fired
+        assert index is not None, "a fired transition always marks itself"
+        return index
+
 
 class CompiledWorkflow:
     """A workflow ready to run: its machine class, its resolved actions and output schemas."""
@@ -123,10 +142,25 @@ class CompiledWorkflow:
         self.outputs: dict[str, OutputSchema] = resolve_outputs(
             spec, [sid for sid, a in self.actions.items() if a.calls_model]
         )
-        self.machine_class = _build_class(spec)
-        self.user_guards = any(
-            ":" in name for t in spec.transitions for name in (*t.guard, *t.unless)
-        )
+        states = _state_definitions(spec)
+        self.user_guards = any(t.has_user_guard for t in spec.transitions)
+        self.on_fire: dict[int, Callable[[RunContext], None]] = {}
+        """Each transition's `on` callback (by index), run when a decision is taken again."""
+        self.targets: dict[int, str] = {}
+        self.pure_guards: dict[str, tuple[Callable[[RunContext], bool], ...]] = {}
+        """The guards of each state whose guards are all built-in, in the engine's order."""
+        for sid, sdef in states.items():
+            defs = sdef.get("transitions", [])
+            for td in defs:
+                index = td["on"].fired_index
+                self.on_fire[index], self.targets[index] = td["on"], td["target"]
+            if not any(t.source == sid and t.has_user_guard for t in spec.transitions):
+                self.pure_guards[sid] = tuple(
+                    g for td in defs for g in (*td.get("cond", ()), *td.get("unless", ()))
+                )
+        self.decisions: dict[tuple[str, tuple[bool, ...]], int] = {}
+        """(state, its guards' values) → the transition the engine fired for them."""
+        self.machine_class = _build_class(spec, states)  # after: the factory consumes `states`
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
         """A machine for one run, at `start` (default: the initial state)."""
@@ -149,6 +183,7 @@ def _mark(index: int) -> Callable[[RunContext], None]:
     def mark_fired(model: RunContext) -> None:
         model.notes.fired = index
 
+    mark_fired.fired_index = index  # type: ignore[attr-defined]
     return mark_fired
 
 
@@ -172,11 +207,15 @@ def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
         model.notes.fired = edge.index
         take_failure(model)
 
+    route.fired_index = edge.index  # type: ignore[attr-defined]
+
     caught_here.__name__ = f"catch_{edge.position}_{edge.error}"
     return {"event": EVENT_NAME, "target": edge.target, "cond": [caught_here], "on": route}
 
 
-def _build_class(spec: WorkflowSpec) -> type[StateChart[Any]]:
+def _state_definitions(spec: WorkflowSpec) -> dict[str, Any]:
+    """The machine's states and their transitions, as python-statemachine's factory takes
+    them (catch edges first, then the declared transitions, in file order)."""
     states: dict[str, Any] = {
         sid: {"initial": sid == spec.initial, "final": s.final, "transitions": []}
         for sid, s in spec.states.items()
@@ -188,6 +227,10 @@ def _build_class(spec: WorkflowSpec) -> type[StateChart[Any]]:
     for sdef in states.values():
         if not sdef["transitions"]:
             del sdef["transitions"]
+    return states
+
+
+def _build_class(spec: WorkflowSpec, states: dict[str, Any]) -> type[StateChart[Any]]:
     try:
         cls: type[StateChart[Any]] = create_machine_class_from_definition(
             _class_name(spec),

@@ -426,6 +426,11 @@ class TransitionSpec(_Model):
     description: str = ""
 
     @property
+    def has_user_guard(self) -> bool:
+        """A guard or unless of the user's own (`package.module:function`): maybe impure."""
+        return any(":" in name for name in (*self.guard, *self.unless))
+
+    @property
     def is_guarded(self) -> bool:
         return bool(self.guard or self.unless)
 

@@ -401,3 +401,97 @@ transitions:
         load_workflow_text(text, path="shadow.yaml")
 
     assert str(info.value).startswith("shadow.yaml:6:3: ")
+
+
+# --- each situation is decided by the engine once ----------------------------------------------
+
+LOOP = """
+name: loopy
+initial: think
+states:
+  think: {action: session.observe}
+  act: {action: session.observe}
+  end: {final: true}
+transitions:
+  - {source: think, target: act, guard: has_tool_calls}
+  - {source: think, target: think, guard: malformed_output, unless: retries_exhausted}
+  - {source: think, target: end, reason: final_answer}
+  - {source: act, target: think, guard: "tests.unit.test_workflow_compiler:counting_guard"}
+  - {source: act, target: think}
+"""
+
+
+def _sends(monkeypatch: pytest.MonkeyPatch, compiled: CompiledWorkflow) -> list[str]:
+    """Record every event the engine is sent through machines of `compiled`."""
+    sent: list[str] = []
+    original = compiled.machine_class.send
+
+    def send(self: Any, event: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(event)
+        return original(self, event, *args, **kwargs)
+
+    monkeypatch.setattr(compiled.machine_class, "send", send)
+    return sent
+
+
+def test_a_decision_is_taken_again_only_for_the_same_guard_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_a")))
+    sent = _sends(monkeypatch, compiled)
+    calls = _ctx(last_completion=_tool_calls())
+    bad = _ctx(last_completion=_tool_calls(), malformed_reason="bad JSON")
+    exhausted = _ctx(last_completion=_tool_calls(), malformed_reason="bad JSON", malformed_streak=3)
+
+    first = [compiled.instantiate(c, start="think").step().target for c in (calls, bad)]
+    again = [compiled.instantiate(c, start="think").step().target for c in (bad, calls)]
+
+    assert first == ["act", "think"]
+    assert again == ["think", "act"]  # each from its own guard values, never the other's
+    assert len(sent) == 2  # the engine decided each situation once
+    machine = compiled.instantiate(exhausted, start="think")
+    fired = machine.step()
+    assert (fired.target, fired.reason, fired.final, machine.is_final) == (
+        "end",
+        "final_answer",
+        True,
+        True,
+    )
+    assert len(sent) == 3  # new values: the engine decides
+
+
+def test_a_taken_decision_leaves_the_machine_as_the_engine_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_b")))
+    _sends(monkeypatch, compiled)
+    for _ in range(2):  # the second pass takes the recorded decisions
+        ctx = _ctx(last_completion=_tool_calls())
+        machine = compiled.instantiate(ctx, start="think")
+        fired = machine.step()
+        assert (fired.index, fired.source, fired.target, fired.guard) == (
+            0,
+            "think",
+            "act",
+            "has_tool_calls",
+        )
+        assert (machine.state, ctx.current_state, ctx.notes.fired) == ("act", "act", 0)
+        assert not machine.is_final
+        ctx.last_completion = _answer()
+        machine.step()  # act -> think (user guard), then think -> end: the engine's own path
+        assert machine.step().final
+
+
+def test_a_state_with_a_users_guard_always_asks_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_c")))
+    sent = _sends(monkeypatch, compiled)
+    GUARD_CALLS.clear()
+
+    for go in (True, True, False):
+        compiled.instantiate(_ctx(scratch={"go": go}), start="act").step()
+
+    assert len(sent) == 3
+    assert GUARD_CALLS == ["act", "act", "act"]
+    assert all(state != "act" for state, _ in compiled.decisions)
