@@ -8,20 +8,15 @@ import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsm_kernel.api import Agent
-from fsm_kernel.bootstrap import (
-    RunOptions,
-    list_stock_workflows,
-    load_spec,
-)
-from fsm_kernel.cli import output
 from fsm_kernel.cli.args import count, existing_dir, read_prompt, seconds
-from fsm_kernel.config import default_store_location
-from fsm_kernel.kernel import RunResult
-from fsm_kernel.protocol import EventStore
-from fsm_kernel.workflow.spec import WorkflowSpec
+
+if TYPE_CHECKING:  # imported where used: `fsm-kernel --help` stays fast
+    from fsm_kernel.api import Agent
+    from fsm_kernel.bootstrap import RunOptions
+    from fsm_kernel.kernel import RunResult
+    from fsm_kernel.protocol import EventStore
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
@@ -160,6 +155,8 @@ def _add_run(sub: Any) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
+    from fsm_kernel.bootstrap import RunOptions
+
     return RunOptions(
         model=args.model,
         base_url=args.base_url,
@@ -176,6 +173,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
 
 
 def open_event_store(location: str | None) -> EventStore:
+    from fsm_kernel.config import default_store_location
     from fsm_kernel.store import open_store
 
     return open_store(location or default_store_location())
@@ -209,7 +207,11 @@ def agent_options(options: RunOptions) -> dict[str, Any]:
 def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResult]]) -> int:
     """Build the Agent from the flags (the same public API Python code uses), run
     `start(agent)` under Ctrl-C handling, print, exit code."""
+    from fsm_kernel.api import Agent
+    from fsm_kernel.bootstrap import load_spec
+    from fsm_kernel.cli import output
     from fsm_kernel.cli.human import TerminalChannel, interactive
+    from fsm_kernel.config import default_store_location
 
     spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
     watch = None if args.json else output.progress_printer(sys.stderr)
@@ -240,7 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from fsm_kernel.bootstrap import build_tools
+    from fsm_kernel.bootstrap import RunOptions, build_tools, load_spec
     from fsm_kernel.errors import FsmKernelError
 
     failed = 0
@@ -279,6 +281,8 @@ def cmd_tools(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from fsm_kernel.workflow.spec import WorkflowSpec
+
     schema = WorkflowSpec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "fsm-kernel workflow"
@@ -287,6 +291,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_workflows(args: argparse.Namespace) -> int:
+    from fsm_kernel.bootstrap import list_stock_workflows
+
     stock = list_stock_workflows()
     if args.json:
         print(json.dumps([{"name": n, "description": d} for n, d in stock], indent=2))

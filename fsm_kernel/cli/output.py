@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.streaming import TextDelta
+
+if TYPE_CHECKING:
+    from fsm_kernel.kernel import RunResult
 
 CUT = 200
 

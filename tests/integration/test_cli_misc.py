@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,3 +213,31 @@ def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert outcome.code == 2
     assert "error: " in outcome.err
+
+
+def test_help_loads_no_engine_no_client_no_store() -> None:
+    """`fsm-kernel --help` and each subcommand's help build the whole parser without importing
+    what runs work (measured in benchmarks/compare.py's start-up part, not timed here)."""
+    code = (
+        "import sys; from fsm_kernel.cli import build_parser; build_parser(); "
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+    heavy = {
+        "fsm_kernel.api",
+        "fsm_kernel.bootstrap",
+        "fsm_kernel.kernel",
+        "fsm_kernel.scheduler",
+        "fsm_kernel.store",
+        "fsm_kernel.workflow.compiler",
+        "httpx",
+        "pydantic",
+        "statemachine",
+        "yaml",
+    }
+    assert loaded & heavy == set()
+    assert "fsm_kernel.cli.commands" in loaded

@@ -19,7 +19,7 @@ import yaml
 
 from fsm_kernel.bootstrap import RunOptions
 from fsm_kernel.cli import main
-from fsm_kernel.cli.schedule_cmd import make_runner
+from fsm_kernel.cli.scheduling import make_runner
 from fsm_kernel.protocol import EventType
 from fsm_kernel.scheduler import (
     DispatchDetail,
