@@ -486,7 +486,12 @@ def _malformed_error(ctx: RunContext) -> str | None:
 
 def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> dict[str, Any]:
     completion = ctx.last_completion if ctx.completion_iteration == ctx.iteration else None
-    calls = [r for r in ctx.tool_calls if r.iteration == ctx.iteration]
+    calls = []  # this iteration's, the last ones (a scan of the whole run would grow with it)
+    for record in reversed(ctx.tool_calls):
+        if record.iteration != ctx.iteration:
+            break
+        calls.append(record)
+    calls.reverse()
     if completion is None:
         decision = "failed"  # the model call of this iteration never answered
     elif ctx.malformed_reason is not None:

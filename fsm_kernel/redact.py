@@ -116,14 +116,30 @@ def redact_data(value: Any) -> Any:
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        out = {k: redact_data(v) for k, v in value.items()}
-        return value if all(out[k] is value[k] for k in value) else out
+        changed: dict[Any, Any] | None = None  # copied at the first value that changes
+        for key, item in value.items():
+            redacted = redact_data(item)
+            if redacted is not item:
+                if changed is None:
+                    changed = dict(value)
+                changed[key] = redacted
+        return value if changed is None else changed
     if isinstance(value, list | tuple):
-        items = [redact_data(v) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        return type(value)(items) if isinstance(value, tuple) else items
+        return _redact_items(value)
     return value
+
+
+def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
+    items: list[Any] | None = None  # copied at the first item that changes
+    for i, item in enumerate(value):
+        redacted = redact_data(item)
+        if redacted is not item:
+            if items is None:
+                items = list(value)
+            items[i] = redacted
+    if items is None:
+        return value
+    return tuple(items) if isinstance(value, tuple) else items
 
 
 def redact_lines(lines: Iterable[str]) -> Iterable[str]:
