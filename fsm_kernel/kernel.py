@@ -259,6 +259,7 @@ class Kernel:
             limits=self.limits,
             tool_names=self.tool_names,
             approval_required=self.approval_required,
+            parallel_tool_calls=self.spec.parallel_tool_calls,
             services=services,
             outputs=self.workflow.outputs,
             session=InMemorySession(),

@@ -16,7 +16,7 @@ import importlib
 import inspect
 import json
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,27 +268,26 @@ def _rejected(answer: HumanAnswer) -> ToolResult:
 
 
 async def tools_execute(ctx: RunContext) -> None:
-    """Run the tool calls of the last model reply, in order; results go back to the model."""
+    """Run the tool calls of the last model reply; results go back to the model in the calls'
+    order. One after another, or at the same time where `parallel_tool_calls` says so."""
     if ctx.tools is None or ctx.last_completion is None:
         return
     ctx.last_results = []
     ctx.answers = []
     calls = ctx.last_completion.message.tool_calls
     cap = ctx.limits.max_tool_calls_per_reply
-    for call in calls[:cap]:
-        if call.name in ctx.approval_required:
-            answer = await ask(
-                ctx, Question(kind="approval", state=ctx.current_state, tool_call=call)
-            )
-            if not answer.approved:  # back to the model as the call's result
-                _add_tool_result(ctx, call, _rejected(answer), duration_ms=0.0, malformed=False)
-                continue
-        ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
-        await ctx.flush()  # a crash during the call must leave "started, no result" in the log
-        started = ctx.clock.monotonic()
-        result = await ctx.tools.execute(call)
-        duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
-        _add_tool_result(ctx, call, result, duration_ms=duration_ms, malformed=False)
+    parallel = ctx.state_spec.parallel_tool_calls
+    if parallel is None:
+        parallel = ctx.parallel_tool_calls
+    if parallel and len(calls[:cap]) > 1:
+        await _run_at_once(ctx, calls[:cap])
+    else:
+        for call in calls[:cap]:
+            refusal = await _refusal(ctx, call)
+            if refusal is not None:  # back to the model as the call's result
+                _add_tool_result(ctx, call, refusal, duration_ms=0.0, malformed=False)
+            else:
+                await _run_one(ctx, call)
     for call in calls[cap:]:
         refused = ToolResult(
             content=f"error: not executed: at most {cap} tool calls are run per reply "
@@ -298,6 +297,78 @@ async def tools_execute(ctx: RunContext) -> None:
         )
         _add_tool_result(ctx, call, refused, duration_ms=0.0, malformed=False)
     update_tool_counters(ctx)
+
+
+async def _refusal(ctx: RunContext, call: ToolCall) -> ToolResult | None:
+    """None when the call may run (it needs no approval, or a person gave it); else the
+    result that tells the model a person rejected it."""
+    if call.name not in ctx.approval_required:
+        return None
+    answer = await ask(ctx, Question(kind="approval", state=ctx.current_state, tool_call=call))
+    return None if answer.approved else _rejected(answer)
+
+
+async def _run_one(ctx: RunContext, call: ToolCall) -> None:
+    assert ctx.tools is not None
+    ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
+    await ctx.flush()  # a crash during the call must leave "started, no result" in the log
+    started = ctx.clock.monotonic()
+    result = await ctx.tools.execute(call)
+    duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+    _add_tool_result(ctx, call, result, duration_ms=duration_ms, malformed=False)
+
+
+async def _run_at_once(ctx: RunContext, calls: Sequence[ToolCall]) -> None:
+    """The calls of one reply at the same time, at most limits.max_parallel_tool_calls.
+
+    A person approves (or not) each call first, in order. Every approved call's `tool.started`
+    is on disk before any of them runs; each `tool.finished` is written as soon as its call
+    ends (so a crash repeats no call that finished), and the conversation gets the results in
+    the calls' order (so the next request, a resume and a replay do not depend on timing)."""
+    tools = ctx.tools
+    assert tools is not None
+    refusals: dict[str, ToolResult] = {}
+    for call in calls:
+        refusal = await _refusal(ctx, call)
+        if refusal is not None:
+            refusals[call.id] = refusal
+    approved = [call for call in calls if call.id not in refusals]
+    for call in approved:
+        ctx.record(EventType.TOOL_STARTED, {"call": call.to_dict()})
+    await ctx.flush()
+    gate = asyncio.Semaphore(ctx.limits.max_parallel_tool_calls)
+    finished: dict[str, ToolCallRecord] = {}
+
+    async def run(call: ToolCall) -> None:
+        async with gate:
+            started = ctx.clock.monotonic()
+            result = await tools.execute(call)
+        duration_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+        ctx.record(
+            EventType.TOOL_FINISHED,
+            {"call": call.to_dict(), "result": result.to_dict(), "duration_ms": duration_ms},
+        )
+        finished[call.id] = ToolCallRecord(
+            iteration=ctx.iteration, call=call, result=result, duration_ms=duration_ms
+        )
+        await ctx.flush()
+
+    tasks = [asyncio.ensure_future(run(call)) for call in approved]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:  # one failed for good (or the run was cancelled): stop the others
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for call in calls:  # the calls' order, whatever order they finished in
+        if call.id in refusals:
+            _add_tool_result(ctx, call, refusals[call.id], duration_ms=0.0, malformed=False)
+            continue
+        record = finished[call.id]
+        ctx.session.add(Message.tool(call, record.result))
+        ctx.tool_calls.append(record)
+        ctx.last_results.append(record)
 
 
 def update_tool_counters(ctx: RunContext) -> None:

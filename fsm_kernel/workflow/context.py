@@ -160,6 +160,8 @@ class RunContext:
     """The tools the workflow offers (a state's `tools:` may narrow it)."""
     approval_required: frozenset[str] = frozenset()
     """The tools whose every call a person approves first (`approval: required`)."""
+    parallel_tool_calls: bool = False
+    """The workflow's `parallel_tool_calls` (a state's own overrides it)."""
     services: RunServices = field(default_factory=RunServices)
     outputs: Mapping[str, OutputSchema] = field(default_factory=dict)
     """The output schema of each state that has one (see `output_schema`)."""

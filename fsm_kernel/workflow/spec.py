@@ -267,6 +267,13 @@ class Limits(_Model):
         description="Tool calls executed from one model reply; the rest are answered with an "
         "error result",
     )
+    max_parallel_tool_calls: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Tool calls of one reply run at the same time where parallel_tool_calls is "
+        "true",
+    )
     max_tokens: int = Field(
         default=0,
         ge=0,
@@ -379,6 +386,12 @@ class StateSpec(_Model):
         pattern=_TOOL_CHOICE_PATTERN,
         description="For agent actions: " + _TOOL_CHOICE_HELP + " Default: the agent's.",
     )
+    parallel_tool_calls: bool | None = Field(
+        default=None,
+        strict=True,
+        description="For tools.execute states: run the calls of one reply at the same time "
+        "(at most limits.max_parallel_tool_calls). Default: the workflow's",
+    )
     answer: bool = Field(
         default=True,
         strict=True,  # only true/false: YAML 1.2 `no` is a string here, never False
@@ -482,6 +495,13 @@ class WorkflowSpec(_Model):
         default_factory=list,
         description="Built-in tool names or package.module:function, or mappings "
         "{name: ..., approval: required} for tools a person must approve before each call",
+    )
+    parallel_tool_calls: bool = Field(
+        default=False,
+        strict=True,
+        description="Run the tool calls of one model reply at the same time (at most "
+        "limits.max_parallel_tool_calls); their results go back in the calls' order. A state's "
+        "own parallel_tool_calls overrides it",
     )
     limits: Limits = Field(default_factory=Limits)
     output: OutputValue | None = Field(

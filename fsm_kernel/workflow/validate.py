@@ -111,6 +111,21 @@ def _check_answer_flags(spec: WorkflowSpec) -> None:
         )
 
 
+def _check_parallel_flags(spec: WorkflowSpec) -> None:
+    """A state's `parallel_tool_calls` only means something where tools.execute runs."""
+    for sid, state in spec.states.items():
+        if state.parallel_tool_calls is None or state.action == "tools.execute":
+            continue
+        raise _fail(
+            spec,
+            f"'parallel_tool_calls' does nothing on state {sid!r}: only a state whose action "
+            "is tools.execute runs tool calls",
+            "states",
+            sid,
+            "parallel_tool_calls",
+        )
+
+
 def _check_outputs(spec: WorkflowSpec) -> None:
     """Each `output:` resolves (at the node the problem is in) and applies somewhere: a state's
     own needs an action that calls the model, the workflow's a state whose reply is the answer."""
@@ -314,6 +329,7 @@ def validate_workflow(spec: WorkflowSpec, *, import_code: bool = True) -> None:
     _check_names(spec)
     _check_reasons(spec)
     _check_transitions(spec)
+    _check_parallel_flags(spec)
     if import_code:
         _check_refs(spec)
         _check_answer_flags(spec)
