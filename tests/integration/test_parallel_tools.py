@@ -194,3 +194,93 @@ def test_a_state_may_turn_it_off_and_only_tools_execute_takes_it(
     assert refused.code == 2
     assert "parallel_tool_calls' does nothing on state 'think'" in refused.err
     assert f"{workflow}:" in refused.err
+
+
+KILLABLE = '''
+import os, time
+
+
+def step(tag: str, seconds: float) -> str:
+    """Note the call, then take a while.
+
+    Args:
+        tag: a label
+        seconds: how long
+    """
+    with open(os.environ["PT_MARKS"], "a") as f:
+        f.write(tag + "\\n")
+    time.sleep(seconds * float(os.environ.get("PT_SCALE", "1")))
+    return f"done {tag}"
+'''
+
+
+def test_a_crash_mid_way_runs_again_only_the_calls_that_had_not_finished(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import time
+
+    (tmp_path / "killable.py").write_text(KILLABLE)
+    text = (ROOT / "workflows" / "default.yaml").read_text()
+    workflow = tmp_path / "killable.yaml"
+    workflow.write_text(
+        text.replace("name: default", "name: killable").replace(
+            "tools: [datetime, read_file, list_directory, done]",
+            "tools: ['killable:step', done]\nparallel_tool_calls: true",
+        )
+    )
+    marks, store = tmp_path / "marks.txt", tmp_path / "runs.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
+           "PT_MARKS": str(marks), "FSM_KERNEL_MAX_RETRIES": "0"}  # fmt: skip
+    server.enqueue(
+        tool_reply(
+            call("step", {"tag": "fast1", "seconds": 0}, id="f1"),
+            call("step", {"tag": "slow", "seconds": 60}, id="s1"),
+            call("step", {"tag": "fast2", "seconds": 0}, id="f2"),
+        )
+    )
+    base = [sys.executable, "-m", "fsm_kernel"]
+    first = subprocess.Popen(
+        [*base, "run", str(workflow), "-p", "go", "--base-url", server.base_url, "--model", "m",
+         "--store", str(store), "--json"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def finished() -> list[str]:
+        if not store.exists():
+            return []
+        with SqliteEventStore(store) as events:
+            runs = events.list_runs()
+            if not runs:
+                return []
+            log = events.read(runs[0].run_id)
+        return [e.data["call"]["id"] for e in log if e.type is EventType.TOOL_FINISHED]
+
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(finished()) != ["f1", "f2"]:
+            assert time.monotonic() < deadline, "the fast calls never ended"
+            assert first.poll() is None, "the run ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.wait(timeout=10)
+    with SqliteEventStore(store) as events:
+        run_id = events.list_runs()[0].run_id
+
+    server.enqueue(text_reply("All three done."))
+    fast_again = [*base, "resume", run_id, "--store", str(store), "--json"]
+    done = subprocess.run(
+        fast_again, env={**env, "PT_SCALE": "0"}, capture_output=True, text=True, timeout=120,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert sorted(marks.read_text().split()) == ["fast1", "fast2", "slow", "slow"]
+    result = json.loads(done.stdout)
+    assert [(c["id"], c["result"]) for c in result["tool_calls"]] == [
+        ("f1", "done fast1"),
+        ("s1", "done slow"),
+        ("f2", "done fast2"),
+    ]
