@@ -18,13 +18,28 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
 from fsm_kernel.bootstrap import RunOptions, build_kernel, load_spec, recorded_options
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
-from fsm_kernel.protocol import ChatModel, Event, EventStore, EventType, ToolCall, ToolResult
-from fsm_kernel.replay import RecordedRun, ReplayReport, check_answer, replay_run, resume_run
+from fsm_kernel.protocol import (
+    ChatModel,
+    Event,
+    EventStore,
+    EventType,
+    Message,
+    ToolCall,
+    ToolResult,
+)
+from fsm_kernel.replay import (
+    RecordedRun,
+    ReplayReport,
+    check_answer,
+    recorded_conversation,
+    replay_run,
+    resume_run,
+)
 from fsm_kernel.streaming import TextDelta
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -121,6 +136,10 @@ def _typed(event: Event) -> StreamEvent | None:
     if event.type == EventType.ITERATION_COMPLETED:
         return IterationCompleted(int(data["step"]), dict(data))
     return None
+
+
+Continuation: TypeAlias = "str | RunResult | Sequence[Message] | None"
+"""What a run may continue from: a run id, a RunResult, or a list of Messages."""
 
 
 # --- the agent -----------------------------------------------------------------------------
@@ -231,12 +250,35 @@ class Agent:
 
     # -- runs -------------------------------------------------------------------------------
 
-    async def run(self, prompt: str, *, run_id: str | None = None) -> RunResult:
+    async def run(
+        self, prompt: str, *, run_id: str | None = None, continue_from: Continuation = None
+    ) -> RunResult:
         """Run the workflow on `prompt` to its end; never raises for how the run ended (see
-        `RunResult.termination_reason`, `.ok`, `.error`)."""
-        return await self.kernel.run(prompt, run_id=run_id)
+        `RunResult.termination_reason`, `.ok`, `.error`).
 
-    async def stream(self, prompt: str, *, run_id: str | None = None) -> AsyncIterator[StreamEvent]:
+        `continue_from` starts the conversation where another one left off: a run (its id, or
+        its RunResult: with a store, its conversation is read back from the log, so resume and
+        replay rebuild it the same way) or a list of Messages (recorded in `run.started`)."""
+        history, continues = self._continuation(continue_from)
+        return await self.kernel.run(prompt, run_id=run_id, history=history, continues=continues)
+
+    def _continuation(self, source: Continuation) -> tuple[list[Message], str | None]:
+        """The history a run starts from, and the id of the run it continues (if one)."""
+        if source is None:
+            return [], None
+        if isinstance(source, str | RunResult):
+            run_id = source if isinstance(source, str) else source.run_id
+            if self.store is None:
+                if isinstance(source, RunResult):
+                    return list(source.messages), source.run_id
+                raise ConfigError("continuing a run by its id needs a store: Agent(store=...)")
+            run_id = self.store.find_run(run_id)
+            return recorded_conversation(self.store, run_id), run_id
+        return list(source), None
+
+    async def stream(
+        self, prompt: str, *, run_id: str | None = None, continue_from: Continuation = None
+    ) -> AsyncIterator[StreamEvent]:
         """Run `prompt`, yielding what happens as it happens: states, transitions, the model's
         text as it streams, tool calls, iterations, and last `RunEnded` with the result.
         Leaving the loop early cancels the run (it ends `cancelled`, recorded) as soon as the
@@ -249,7 +291,12 @@ class Agent:
             if typed is not None:
                 queue.put_nowait(typed)
 
-        task = asyncio.ensure_future(self.kernel.run(prompt, run_id=run_id, watch=watch))
+        history, continues = self._continuation(continue_from)
+        task = asyncio.ensure_future(
+            self.kernel.run(
+                prompt, run_id=run_id, watch=watch, history=history, continues=continues
+            )
+        )
         self._owned.streams.add(task)
         task.add_done_callback(self._owned.streams.discard)
         try:

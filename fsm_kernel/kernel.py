@@ -187,17 +187,28 @@ class Kernel:
         tools: ToolExecutor | None = None,
         watch: Watcher | None = None,
         recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
+        history: Sequence[Message] = (),
+        continues: str | None = None,
     ) -> RunResult:
         """Run the workflow on `prompt` until it terminates; never raises for run failures.
 
         `model` and `tools` replace the kernel's for this run only; `watch` sees this run's
         events and text deltas (besides `on_event`). Runs on one Kernel may go concurrently.
-        `recorded_failures` is for replays (see `RunServices.recorded_failures`).
+        `recorded_failures` is for replays (see `RunServices.recorded_failures`). `history`: the
+        conversation the run continues (the prompt follows it), that of the run `continues`
+        names (recorded in `run.started`, so resume and replay rebuild it from that run's log;
+        without `continues`, `run.started` records the messages themselves).
         """
         run_id = run_id or new_id()
         with self.lock(run_id):
             recorder = self.recorder(run_id, watch=watch)
-            recorder.record(EventType.RUN_STARTED, self._started_data(prompt))
+            started = self._started_data(prompt)
+            if continues is not None:
+                started["continues"] = continues
+                started["history_messages"] = len(history)
+            elif history:  # given as messages: the log keeps them, for resume and replay
+                started["history"] = [m.to_dict() for m in history]
+            recorder.record(EventType.RUN_STARTED, started)
             ctx = self.new_context(
                 run_id,
                 prompt,
@@ -205,6 +216,7 @@ class Kernel:
                 model=model,
                 tools=tools,
                 recorded_failures=recorded_failures,
+                history=history,
             )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
@@ -232,8 +244,10 @@ class Kernel:
         human: HumanChannel | None = None,
         state_models: Mapping[str, ChatModel] | None = None,
         recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
+        history: Sequence[Message] = (),
     ) -> RunContext:
-        """A fresh context whose session holds the user's prompt, with this run's collaborators
+        """A fresh context whose session holds the conversation it continues (`history`) and the
+        user's prompt, with this run's collaborators
         (the kernel's unless given). A retry's wait is skipped while the run catches up with
         its log (a resume re-driving recorded failures)."""
 
@@ -264,6 +278,8 @@ class Kernel:
             outputs=self.workflow.outputs,
             session=InMemorySession(),
         )
+        for message in history:
+            ctx.session.add(message)
         ctx.session.add(Message.user(prompt))
         return ctx
 

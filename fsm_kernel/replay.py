@@ -49,6 +49,7 @@ __all__ = [
     "RecordedToolExecutor",
     "ReplayReport",
     "ReplayStep",
+    "recorded_conversation",
     "replay_run",
     "resume_run",
 ]
@@ -242,6 +243,19 @@ class RecordedRun:
         return str(self.started.data.get("goal", ""))
 
     @property
+    def continues(self) -> str | None:
+        """The run whose conversation this one continues (`run --continue`), if any."""
+        value = self.started.data.get("continues")
+        return str(value) if value else None
+
+    def history(self, store: EventStore) -> list[Message]:
+        """The conversation this run began with: the one it continues, rebuilt from the log
+        (or the messages `run.started` recorded)."""
+        if self.continues:
+            return recorded_conversation(store, self.continues)
+        return [Message.from_dict(m) for m in self.started.data.get("history") or ()]
+
+    @property
     def status(self) -> str:
         """`waiting` (for a person), `running` (in flight, or killed) or `ended`."""
         if self.waiting_for is not None:
@@ -415,6 +429,7 @@ async def _resume_locked(
         human=AnsweringChannel(run.answers, given=answer, live=kernel.human),
         state_models={sid: model.sharing(live) for sid, live in kernel.state_models.items()},
         recorded_failures=run.action_failures,
+        history=run.history(store),
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
@@ -519,7 +534,13 @@ async def replay_run(
         approval_required=frozenset(settings.get("approval") or ()),
         sleep=_no_wait,  # a replay takes no time: a retry's backoff is not waited for
     )
-    result = await kernel.run(run.goal, run_id=run.run_id, recorded_failures=run.action_failures)
+    result = await kernel.run(
+        run.goal,
+        run_id=run.run_id,
+        recorded_failures=run.action_failures,
+        history=run.history(store),
+        continues=run.continues,
+    )
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()
     recorded_reason = run.terminated.data.get("reason") if run.terminated else None
@@ -587,3 +608,57 @@ def _recorded_failure(run: RecordedRun) -> AgentError | None:
     if ended is None or ended.data.get("reason") != "agent_error":
         return None
     return AgentError(str(ended.data.get("error") or "the model server failed"))
+
+
+def recorded_conversation(store: EventStore, run_id: str) -> list[Message]:
+    """A run's whole conversation, as its model saw it last, rebuilt from the log alone: the
+    conversations it continues (`run.started`'s `continues`, followed back to the first run),
+    then its prompt, the messages it added, the model's replies and the tools' results (each
+    reply's results in the order of its calls, as the run gave them to the model).
+
+    Raises:
+        RunNotFoundError: a run of the chain is not in the store.
+    """
+    chain: list[list[Event]] = []
+    seen: set[str] = set()
+    next_id: str | None = store.find_run(run_id)
+    while next_id is not None:  # back to the first run (no recursion: chats get long)
+        if next_id in seen:
+            raise ResumeError(f"run {next_id} continues itself", run_id=next_id)
+        seen.add(next_id)
+        events = store.read(next_id)
+        if not events or events[0].type != EventType.RUN_STARTED:
+            raise RunNotFoundError(f"run {next_id} has no run.started event", run_id=next_id)
+        chain.append(events)
+        previous = events[0].data.get("continues")
+        next_id = str(previous) if previous else None
+    messages: list[Message] = []
+    for events in reversed(chain):
+        started = events[0].data
+        messages.extend(Message.from_dict(m) for m in started.get("history") or ())
+        messages.append(Message.user(str(started.get("goal", ""))))
+        messages.extend(_conversation_of(events))
+    return messages
+
+
+def _conversation_of(events: Sequence[Event]) -> list[Message]:
+    out: list[Message] = []
+    order: dict[str, int] = {}  # the call ids of the last reply, in its order
+    pending: list[Message] = []  # tool results after that reply, as recorded
+    for e in events:
+        if e.type == EventType.TOOL_FINISHED:
+            call = ToolCall.from_dict(e.data["call"])
+            pending.append(Message.tool(call, ToolResult.from_dict(e.data["result"])))
+            continue
+        if e.type not in (EventType.MESSAGE_ADDED, EventType.MODEL_RESPONDED):
+            continue
+        out.extend(sorted(pending, key=lambda m: order.get(m.tool_call_id or "", len(order))))
+        pending = []
+        if e.type == EventType.MESSAGE_ADDED:
+            out.append(Message.from_dict(e.data["message"]))
+        else:
+            message = Completion.from_dict(e.data["completion"]).message
+            order = {c.id: i for i, c in enumerate(message.tool_calls)}
+            out.append(message)
+    out.extend(sorted(pending, key=lambda m: order.get(m.tool_call_id or "", len(order))))
+    return out

@@ -23,9 +23,10 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
 def register(sub: Any) -> None:
     """Add every subcommand to the parser."""
-    from fsm_kernel.cli import diagram_cmd, runs, schedule_cmd, ui_cmd
+    from fsm_kernel.cli import chat_cmd, diagram_cmd, runs, schedule_cmd, ui_cmd
 
     _add_run(sub)
+    chat_cmd.register(sub)
     p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
     p.add_argument("workflows", nargs="+", metavar="WORKFLOW")
     p.set_defaults(handler=cmd_validate)
@@ -143,6 +144,13 @@ def _add_run(sub: Any) -> None:
     p.add_argument(
         "--prompt-file", metavar="PATH", help="read the task from a file (for long prompts)"
     )
+    p.add_argument(
+        "--continue",
+        dest="continue_run",
+        metavar="RUN_ID",
+        help="start from that run's conversation (read from the store): the new run is "
+        "recorded as continuing it",
+    )
     p.add_argument("--system-prompt", help="replace the workflow's system prompt")
     p.add_argument(
         "--memory",
@@ -238,7 +246,7 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
 
 def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
-    return execute(args, lambda agent: agent.run(prompt))
+    return execute(args, lambda agent: agent.run(prompt, continue_from=args.continue_run))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
