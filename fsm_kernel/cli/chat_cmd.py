@@ -49,6 +49,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from fsm_kernel.cli.human import TerminalChannel, interactive
     from fsm_kernel.config import default_store_location
 
+    if args.json:
+        from fsm_kernel.errors import ConfigError
+
+        raise ConfigError("chat talks to a person: it has no --json (use run --continue)")
     spec = load_spec(args.workflow)
     human = TerminalChannel() if interactive(False) else None
 

@@ -232,3 +232,12 @@ def test_chat_ctrl_c_stops_the_run_at_work_then_ends_the_chat_at_the_prompt(
         (run,) = events.list_runs()
         last = events.read(run.run_id)[-1]
     assert (last.type, last.data["reason"]) == (EventType.RUN_TERMINATED, "cancelled")
+
+
+def test_chat_has_no_json_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    refused = cli(capsys, "chat", "default", "--json")
+    assert refused.code == 2
+    assert refused.json() == {
+        "error": "chat talks to a person: it has no --json (use run --continue)",
+        "exit_code": 2,
+    }
