@@ -532,3 +532,30 @@ def test_a_rejection_leads_the_model_to_another_tool(
     assert result["tool_calls"][0]["result"] == "rejected by the user: list the folder instead"
     assert "notes.txt" in result["tool_calls"][1]["result"]
     assert result["response"] == "There are notes.txt and secret.txt."
+
+
+def test_a_crash_before_the_question_asks_it_on_resume_without_asking_the_model_again(
+    server: FakeOpenAIServer, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The log of a process killed after the model's reply but before `run.suspended` was
+    written: a plain resume asks the question (exit 3) from the recorded reply."""
+    import sqlite3
+
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c1")))
+    run_id = cli(capsys, _run(server, store, workspace, "--json")).json()["run_id"]
+    with sqlite3.connect(store) as db:  # as if killed just before the suspension
+        db.execute("DELETE FROM events WHERE run_id = ? AND type = 'run.suspended'", (run_id,))
+        db.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
+    assert _types(store, run_id)[-1] != "run.suspended"
+    with_answer = cli(capsys, _resume(store, run_id, "--approve"))
+    assert with_answer.code == 2  # it does not wait yet: there is nothing to approve
+
+    again = cli(capsys, _resume(store, run_id, "--json"))
+
+    assert again.code == 3
+    assert again.json()["waiting_for"]["tool_call"]["id"] == "c1"
+    assert len(server.requests) == 1  # the recorded reply was served, not asked again
+    server.enqueue(text_reply("42."))
+    done = cli(capsys, _resume(store, run_id, "--approve", "--json"))
+    assert (done.code, done.json()["response"]) == (0, "42.")
