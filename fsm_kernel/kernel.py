@@ -274,6 +274,7 @@ class Kernel:
             tool_names=self.tool_names,
             approval_required=self.approval_required,
             parallel_tool_calls=self.spec.parallel_tool_calls,
+            context_window=self.spec.context,
             services=services,
             outputs=self.workflow.outputs,
             session=InMemorySession(),

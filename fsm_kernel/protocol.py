@@ -278,6 +278,9 @@ class EventType(StrEnum):
     ERROR_CAUGHT = "error.caught"
     """A state's action failed for good and a `catch:` entry routes the run (its catch edge's
     `transition.taken` follows)."""
+    CONTEXT_TRIMMED = "context.trimmed"
+    """A request was made to fit the workflow's `context:` window (what was shortened or
+    dropped); the run's history itself is unchanged."""
 
 
 LIVE_ONLY_EVENTS = frozenset({EventType.MODEL_FAILED, EventType.MODEL_NOTICE})

@@ -26,6 +26,7 @@ from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded
+from fsm_kernel.workflow.window import estimate_tokens, fit
 
 __all__ = [
     "BUILTIN_ACTIONS",
@@ -166,7 +167,7 @@ async def agent_think(ctx: RunContext) -> None:
         ctx.session.add(message)
         ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
     offered = ctx.offered_tools()
-    messages = ctx.messages_for_model()
+    messages = _within_window(ctx, ctx.messages_for_model())
     options = _request_options(ctx)
     if not retrying:
         ctx.iteration += 1
@@ -188,6 +189,22 @@ async def agent_think(ctx: RunContext) -> None:
         EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}
     )
     apply_completion(ctx, completion, {t.name for t in offered})
+
+
+def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
+    """The request made to fit the workflow's `context:` window (recorded when changed)."""
+    window = ctx.context_window
+    if window is None:
+        return messages
+    scale = 1.0  # how far off the estimate of the last request was, by the server's count
+    reported = ctx.last_completion.usage.prompt_tokens if ctx.last_completion else 0
+    if reported > 0 and ctx.last_request_estimate > 0:
+        scale = min(max(reported / ctx.last_request_estimate, 0.5), 4.0)
+    fitted = fit(messages, window, scale)
+    ctx.last_request_estimate = estimate_tokens(fitted.messages)
+    if fitted.changed:
+        ctx.record(EventType.CONTEXT_TRIMMED, fitted.to_dict(window.strategy))
+    return fitted.messages
 
 
 def _request_options(ctx: RunContext) -> dict[str, Any]:

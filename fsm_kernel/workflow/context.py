@@ -27,7 +27,7 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.session import InMemorySession, Session
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, SuspendingChannel
-from fsm_kernel.workflow.spec import Limits, StateSpec
+from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 
 if TYPE_CHECKING:
     from fsm_kernel.workflow.output import OutputSchema
@@ -162,6 +162,8 @@ class RunContext:
     """The tools whose every call a person approves first (`approval: required`)."""
     parallel_tool_calls: bool = False
     """The workflow's `parallel_tool_calls` (a state's own overrides it)."""
+    context_window: ContextSpec | None = None
+    """The workflow's `context:`: each request made to fit the model's window."""
     services: RunServices = field(default_factory=RunServices)
     outputs: Mapping[str, OutputSchema] = field(default_factory=dict)
     """The output schema of each state that has one (see `output_schema`)."""
@@ -202,6 +204,8 @@ class RunContext:
     usage: Usage = field(default_factory=Usage)
     summary: str = ""
     """A one-line state summary written by the evaluate step, kept in the iteration record."""
+    last_request_estimate: int = 0
+    """The estimated prompt tokens of the last request (see workflow/window.py)."""
     answers: list[HumanAnswer] = field(default_factory=list)
     """What a person answered in the last step that asked (approvals of its tool calls, or
     the text of a `human.input` state); the guards `approved` and `rejected` read them."""

@@ -29,6 +29,7 @@ __all__ = [
     "AgentBlock",
     "CatchEdge",
     "CatchSpec",
+    "ContextSpec",
     "ErrorKind",
     "Limits",
     "ReasonSpec",
@@ -286,6 +287,29 @@ class Limits(_Model):
 _REASON_NAME = r"^[a-z][a-z0-9_]*$"
 
 
+class ContextSpec(_Model):
+    """How a run's requests stay inside the model's context window."""
+
+    max_tokens: int = Field(
+        ge=256,
+        strict=True,
+        description="The most prompt tokens a request may have: the model's window, or a budget "
+        "below it (estimated: 4 characters a token, scaled by what the server reported)",
+    )
+    strategy: Literal["truncate_tool_results", "drop_oldest"] = Field(
+        default="truncate_tool_results",
+        description="truncate_tool_results: shorten the oldest tool results first; "
+        "drop_oldest: keep the system prompt, the goal and the latest turns",
+    )
+    keep: int = Field(
+        default=4,
+        ge=0,
+        strict=True,
+        description="truncate_tool_results: the latest tool results kept whole; drop_oldest: "
+        "the latest turns always kept",
+    )
+
+
 class ReasonSpec(_Model):
     """A termination reason the workflow declares for its own edges into final states."""
 
@@ -504,6 +528,11 @@ class WorkflowSpec(_Model):
         "own parallel_tool_calls overrides it",
     )
     limits: Limits = Field(default_factory=Limits)
+    context: ContextSpec | None = Field(
+        default=None,
+        description="Keep each request inside the model's context window: the request is made "
+        "to fit (the run's history is not changed) and a context.trimmed event says how",
+    )
     output: OutputValue | None = Field(
         default=None,
         description="Structured output: the JSON Schema (a mapping) or the pydantic model "

@@ -181,6 +181,7 @@ def test_event_types_are_a_stored_schema() -> None:
         "run.terminated",
         "action.failed",
         "error.caught",
+        "context.trimmed",
     ]
 
 

@@ -1,0 +1,141 @@
+"""Keeping a run's requests inside the model's context window (a workflow's `context:`).
+
+Pure functions of the conversation: the request sent to the model is the conversation made to
+fit, the session itself is never changed, so a resume or a replay (which rebuild the same
+conversation) send the same requests. The kernel records what was shortened or dropped as a
+`context.trimmed` event.
+
+Token counts are estimates: 4 characters a token, plus 4 tokens a message (its role and
+framing), plus the tool calls' names and arguments. When the server reported the prompt tokens
+of the previous request, the estimate is scaled by how far off it was then."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fsm_kernel.protocol import Message, Role
+from fsm_kernel.workflow.spec import ContextSpec
+
+__all__ = ["Fitted", "estimate_tokens", "fit"]
+
+_CHARS_PER_TOKEN = 4
+_PER_MESSAGE = 4
+_SHORTENED_CHARS = 200
+"""What a shortened tool result keeps of its text."""
+
+
+def estimate_tokens(messages: Sequence[Message]) -> int:
+    """The documented estimate of a request's prompt tokens (see the module's text)."""
+    total = 0
+    for m in messages:
+        chars = len(m.content or "")
+        for call in m.tool_calls:
+            chars += len(call.name) + len(json.dumps(call.arguments, ensure_ascii=False))
+        total += _PER_MESSAGE + math.ceil(chars / _CHARS_PER_TOKEN)
+    return total
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A request made to fit, and what was done to it."""
+
+    messages: list[Message]
+    before: int
+    after: int
+    shortened: list[str] = field(default_factory=list)
+    """Tool call ids whose results were shortened."""
+    dropped: int = 0
+    """Messages left out."""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.shortened or self.dropped)
+
+    def to_dict(self, strategy: str) -> dict[str, Any]:
+        return {
+            "strategy": strategy,
+            "estimated_tokens_before": self.before,
+            "estimated_tokens_after": self.after,
+            "shortened_tool_results": self.shortened,
+            "dropped_messages": self.dropped,
+        }
+
+
+def fit(messages: list[Message], spec: ContextSpec, scale: float = 1.0) -> Fitted:
+    """`messages` (system prompt first, if any) made to fit `spec.max_tokens` by its strategy;
+    as they are when they fit already, or when the strategy can do no more."""
+
+    def size(ms: Sequence[Message]) -> int:
+        return math.ceil(estimate_tokens(ms) * scale)
+
+    before = size(messages)
+    if before <= spec.max_tokens:
+        return Fitted(messages, before, before)
+    shortened: list[str] = []
+    out = messages
+    if spec.strategy == "truncate_tool_results":
+        out, shortened = _shorten(messages, spec, size)
+        if size(out) <= spec.max_tokens:
+            return Fitted(out, before, size(out), shortened=shortened)
+    # drop_oldest, or shortening was not enough: the oldest turns go
+    out, dropped = _drop_oldest(out, spec, size)
+    return Fitted(out, before, size(out), shortened=shortened, dropped=dropped)
+
+
+def _shorten(
+    messages: list[Message], spec: ContextSpec, size: Any
+) -> tuple[list[Message], list[str]]:
+    """Shorten the oldest tool results first, the last `keep` whole: to their first 200
+    characters, then (when that is not enough) to a note of their length."""
+    out = list(messages)
+    tools = [i for i, m in enumerate(out) if m.role is Role.TOOL]
+    candidates = tools[: max(len(tools) - spec.keep, 0)]
+    shortened: list[str] = []
+    total = size(out)
+    for keep_chars in (_SHORTENED_CHARS, 0):
+        for i in candidates:
+            if total <= spec.max_tokens:
+                return out, shortened
+            m = out[i]
+            original = messages[i].content
+            if len(m.content) <= keep_chars or (keep_chars and m.content != original):
+                continue
+            text = f"{original[:keep_chars]} [shortened: {len(original)} chars]".lstrip()
+            out[i] = replace(m, content=text)
+            if m.tool_call_id not in shortened:
+                shortened.append(m.tool_call_id or "")
+            total = size(out)
+    return out, shortened
+
+
+def _drop_oldest(
+    messages: list[Message], spec: ContextSpec, size: Any
+) -> tuple[list[Message], int]:
+    """Keep the system prompt, the goal (the first user message) and the last `keep` turns;
+    drop whole turns, oldest first (a reply with tool calls goes with its results)."""
+    head = [m for m in messages[:1] if m.role is Role.SYSTEM]
+    rest = messages[len(head) :]
+    goal_at = next((i for i, m in enumerate(rest) if m.role is Role.USER), None)
+    if goal_at is None:
+        return messages, 0
+    head += rest[: goal_at + 1]
+    turns = _turns(rest[goal_at + 1 :])
+    dropped = 0
+    while len(turns) > spec.keep and size(head + [m for t in turns for m in t]) > spec.max_tokens:
+        dropped += len(turns.pop(0))
+    return head + [m for t in turns for m in t], dropped
+
+
+def _turns(messages: Sequence[Message]) -> list[list[Message]]:
+    """Messages grouped so that tool results stay with the reply that asked for them."""
+    turns: list[list[Message]] = []
+    for m in messages:
+        if m.role is Role.TOOL and turns:
+            turns[-1].append(m)
+        else:
+            turns.append([m])
+    return turns
