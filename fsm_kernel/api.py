@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any, TypeAlias
 
 from fsm_kernel.bootstrap import RunOptions, build_kernel, load_spec, recorded_options
+from fsm_kernel.child_runs import LiveChildren
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
 from fsm_kernel.protocol import (
@@ -366,6 +367,15 @@ class Agent:
             self.spec, options, store=self.store, chat_model=self._chat_model, human=self._human
         )
         kernel.on_event = self._on_event
+        kernel.children = LiveChildren(
+            options,
+            store=self.store,
+            parent_model=model,
+            chat_model=self._chat_model,
+            human=self._human,
+            on_event=self._on_event,
+            closers=self._owned.closers,
+        )
         if model is not self._chat_model and hasattr(model, "aclose"):
             self._owned.closers.append(model.aclose)
         for state_model in {id(m): m for m in kernel.state_models.values()}.values():

@@ -35,7 +35,7 @@ from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanChannel
-from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
@@ -125,20 +125,7 @@ def load_spec(name_or_path: str) -> WorkflowSpec:
 
 def resolve_workflow(name_or_path: str | Path) -> Path:
     """A path that exists wins; otherwise a stock workflow by name ("react" or "react.yaml")."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        raise WorkflowValidationError(f"{name_or_path}: is a folder; give a workflow .yaml file")
-    stock = package_data_dir("workflows")
-    if stock is not None and "/" not in str(name_or_path):
-        candidate = stock / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-        if candidate.is_file():
-            return candidate
-    names = ", ".join(n for n, _ in list_stock_workflows()) or "none"
-    raise WorkflowValidationError(
-        f"{name_or_path}: no such workflow file or stock workflow (stock: {names})"
-    )
+    return find_workflow(name_or_path)
 
 
 def list_stock_workflows() -> list[tuple[str, str]]:

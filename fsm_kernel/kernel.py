@@ -33,6 +33,7 @@ from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
+from fsm_kernel.workflow.children import ChildResult, ChildRunner
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
@@ -99,6 +100,22 @@ class RunResult:
             self.success_reasons
         )
 
+    def as_child(self) -> ChildResult:
+        """This run as its parent sees it (a workflow.call / workflow.map child)."""
+        reason = self.termination_reason
+        return ChildResult(
+            run_id=self.run_id,
+            workflow=self.workflow,
+            reason=None if reason is None else str(reason),
+            ok=self.ok,
+            answer=self.response,
+            output=as_json(self.output),
+            iterations=self.iterations,
+            usage=self.usage,
+            error=self.error,
+            waiting_for=self.waiting_for,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         reason = self.termination_reason
         d: dict[str, Any] = {
@@ -147,6 +164,7 @@ class Kernel:
         approval_required: frozenset[str] = frozenset(),
         state_models: Mapping[str, ChatModel] | None = None,
         sleep: Sleep | None = None,
+        children: ChildRunner | None = None,
     ) -> None:
         """Args:
         workflow: the compiled workflow (compiled once per content; limits are not part of it).
@@ -159,6 +177,7 @@ class Kernel:
         approval_required: the tools a person approves each call of (`approval: required`).
         state_models: the model of each state with its own `agent:` block (by state id).
         sleep: waits between a state's `retry:` attempts (default asyncio.sleep).
+        children: runs the child runs of `workflow.call` / `workflow.map` states.
         """
         self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tool_names)
         self.human: HumanChannel = human or SuspendingChannel()
@@ -175,6 +194,7 @@ class Kernel:
         self.on_event = on_event
         self.state_models: Mapping[str, ChatModel] = dict(state_models or {})
         self.sleep: Sleep = sleep or asyncio.sleep
+        self.children = children
 
     # -- public API ----------------------------------------------------------------------
 
@@ -189,6 +209,9 @@ class Kernel:
         recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
         history: Sequence[Message] = (),
         continues: str | None = None,
+        limits: Limits | None = None,
+        parent_run_id: str | None = None,
+        recorded_children: Sequence[str] = (),
     ) -> RunResult:
         """Run the workflow on `prompt` until it terminates; never raises for run failures.
 
@@ -197,12 +220,17 @@ class Kernel:
         `recorded_failures` is for replays (see `RunServices.recorded_failures`). `history`: the
         conversation the run continues (the prompt follows it), that of the run `continues`
         names (recorded in `run.started`, so resume and replay rebuild it from that run's log;
-        without `continues`, `run.started` records the messages themselves).
+        without `continues`, `run.started` records the messages themselves). `limits` replace
+        the kernel's for this run (a child run's, bounded by its parent's); `parent_run_id`
+        links a child run to its parent (in `run.started`); `recorded_children` is for replays.
         """
         run_id = run_id or new_id()
         with self.lock(run_id):
             recorder = self.recorder(run_id, watch=watch)
-            started = self._started_data(prompt)
+            limits = limits or self.limits
+            started = self._started_data(prompt, limits)
+            if parent_run_id is not None:
+                started["parent_run_id"] = parent_run_id
             if continues is not None:
                 started["continues"] = continues
                 started["history_messages"] = len(history)
@@ -217,6 +245,8 @@ class Kernel:
                 tools=tools,
                 recorded_failures=recorded_failures,
                 history=history,
+                limits=limits,
+                recorded_children=recorded_children,
             )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
@@ -245,6 +275,8 @@ class Kernel:
         state_models: Mapping[str, ChatModel] | None = None,
         recorded_failures: Mapping[tuple[str, int, int], Exception] | None = None,
         history: Sequence[Message] = (),
+        limits: Limits | None = None,
+        recorded_children: Sequence[str] = (),
     ) -> RunContext:
         """A fresh context whose session holds the conversation it continues (`history`) and the
         user's prompt, with this run's collaborators
@@ -265,12 +297,15 @@ class Kernel:
             state_models=self.state_models if state_models is None else state_models,
             sleep=sleep,
             recorded_failures=recorded_failures or {},
+            children=self.children,
+            recorded_children=recorded_children,
         )
         ctx = RunContext(
             run_id=run_id,
             goal=prompt,
+            workflow_path=self.spec.path,
             system_prompt=self.system_prompt,
-            limits=self.limits,
+            limits=limits or self.limits,
             tool_names=self.tool_names,
             approval_required=self.approval_required,
             parallel_tool_calls=self.spec.parallel_tool_calls,
@@ -287,11 +322,12 @@ class Kernel:
     async def drive(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> RunResult:
         """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
         current_run_id.set(ctx.run_id)
-        timeout = self.limits.timeout_seconds or None
+        timeout = ctx.limits.timeout_seconds or None
         reason: TerminationReason | str = TerminationReason.ERROR
         error, resumable = None, False
         try:
             async with asyncio.timeout(timeout) as deadline:
+                ctx.notes.deadline = deadline
                 if isinstance(ctx.services.human, OffTheClock):
                     ctx.services.human.deadline = deadline
                 with deltas_to(recorder.stream_sink):
@@ -336,7 +372,7 @@ class Kernel:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.record(EventType.STATE_ENTERED, {})
             await recorder.flush()  # the step (action, transition) is durable before the next
-            if transitions >= self.limits.max_transitions:
+            if transitions >= ctx.limits.max_transitions:
                 raise _Stop(
                     TerminationReason.NO_PROGRESS,
                     f"{transitions} transitions without reaching a final state "
@@ -352,7 +388,8 @@ class Kernel:
         calls_model = action is not None and action.calls_model
         if calls_model:
             self._complete_iteration(ctx, recorder, state)
-        hit = limit_reached(ctx, model_call_next=calls_model)
+        spends = calls_model or (action is not None and action.starts_children)
+        hit = limit_reached(ctx, model_call_next=spends)
         if hit is not None:
             raise _Stop(hit.reason, hit.error)
         if action is not None:
@@ -458,14 +495,14 @@ class Kernel:
             watchers=watchers,
         )
 
-    def _started_data(self, prompt: str) -> dict[str, Any]:
+    def _started_data(self, prompt: str, limits: Limits) -> dict[str, Any]:
         return {
             "workflow": self.spec.name,
             "workflow_path": self.spec.path,
             "workflow_hash": self.spec.content_hash,
             "goal": prompt,
             "settings": self.settings,
-            "limits": self.limits.model_dump(),
+            "limits": limits.model_dump(),
             "system_prompt": self.system_prompt,
         }
 

@@ -281,6 +281,11 @@ class EventType(StrEnum):
     CONTEXT_TRIMMED = "context.trimmed"
     """A request was made to fit the workflow's `context:` window (what was shortened or
     dropped); the run's history itself is unchanged."""
+    CHILD_STARTED = "child.started"
+    """A `workflow.call` / `workflow.map` state chose a child run's id (recorded before the
+    child starts, so a resume of this run finds the child again)."""
+    CHILD_FINISHED = "child.finished"
+    """A child run ended (or waits for a person): its reason, answer and output."""
 
 
 LIVE_ONLY_EVENTS = frozenset({EventType.MODEL_FAILED, EventType.MODEL_NOTICE})
@@ -351,6 +356,8 @@ class RunSummary:
     """Tokens its model calls used (prompt + completion, as the servers reported them)."""
     updated_at: datetime | None = None
     """When the summary last changed: its end, for a run that ended."""
+    parent_run_id: str | None = None
+    """The run this one is a child of (workflow.call, workflow.map); None for a top-level run."""
 
     @property
     def shown_status(self) -> str:
@@ -370,6 +377,7 @@ class RunSummary:
             "termination_reason": self.termination_reason,
             "tokens": self.tokens,
             "updated_at": None if self.updated_at is None else self.updated_at.isoformat(),
+            "parent_run_id": self.parent_run_id,
         }
 
 
@@ -410,9 +418,11 @@ class RunFilter:
     RunSummary.shown_status)."""
     text: str | None = None
     """Text the run id or the goal contains (case-insensitive for ASCII letters)."""
+    top_level: bool = False
+    """Only runs that are no other run's child."""
 
     def is_empty(self) -> bool:
-        return not (self.workflow or self.status or self.text)
+        return not (self.workflow or self.status or self.text or self.top_level)
 
 
 TOOL_CHOICES = ("auto", "none", "required", "omit")

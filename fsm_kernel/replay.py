@@ -38,7 +38,9 @@ from fsm_kernel.protocol import (
     ToolResult,
 )
 from fsm_kernel.recorder import RunRecorder
-from fsm_kernel.workflow.compiler import CompiledWorkflow
+from fsm_kernel.workflow.children import ChildRequest, ChildResult
+from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
 from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.spec import Limits
@@ -48,6 +50,7 @@ __all__ = [
     "RecordedRun",
     "RecordedToolExecutor",
     "ReplayReport",
+    "ReplayChildren",
     "ReplayStep",
     "recorded_conversation",
     "replay_run",
@@ -188,6 +191,8 @@ class RecordedRun:
     visit, attempt): a re-drive raises them instead of running the action again."""
     handled: set[int] = field(default_factory=set)
     """The seqs of `model.failed` events the run recovered from: a re-drive reproduces them."""
+    children: list[str] = field(default_factory=list)
+    """The ids of its child runs (workflow.call, workflow.map), in the order it started them."""
 
     @classmethod
     def load(cls, store: EventStore, run_id: str) -> RecordedRun:
@@ -207,6 +212,8 @@ class RecordedRun:
                 run.completions.append(Completion.from_dict(e.data["completion"]))
             elif e.type == EventType.TOOL_STARTED:
                 started[e.data["call"]["id"]] = e.seq
+            elif e.type == EventType.CHILD_STARTED:
+                run.children.append(str(e.data["run_id"]))
             elif e.type == EventType.TOOL_FINISHED and not e.data.get("malformed"):
                 run.results[e.data["call"]["id"]] = ToolResult.from_dict(e.data["result"])
             else:
@@ -241,6 +248,12 @@ class RecordedRun:
     @property
     def goal(self) -> str:
         return str(self.started.data.get("goal", ""))
+
+    @property
+    def parent_run_id(self) -> str | None:
+        """The run that started this one as its child (workflow.call, workflow.map), if any."""
+        value = self.started.data.get("parent_run_id")
+        return str(value) if value else None
 
     @property
     def continues(self) -> str | None:
@@ -430,6 +443,7 @@ async def _resume_locked(
         state_models={sid: model.sharing(live) for sid, live in kernel.state_models.items()},
         recorded_failures=run.action_failures,
         history=run.history(store),
+        recorded_children=run.children,
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
@@ -470,10 +484,14 @@ class ReplayReport:
     """The structured output the run ended with (JSON data), None without one."""
     replayed_output: Any = None
     """The structured output the replay ended with, parsed again from the recorded answers."""
+    children: list[ReplayReport] = field(default_factory=list)
+    """The replays of its child runs, in the order it started them."""
 
     @property
     def identical(self) -> bool:
         if not all(s.same for s in self.steps):
+            return False
+        if not all(child.identical for child in self.children):
             return False
         if self.recorded_reason is None or self.recorded_reason in _EXTERNAL_ENDINGS:
             return True  # killed, timed out, cancelled: the recorded steps are what counts
@@ -499,6 +517,7 @@ class ReplayReport:
             "error": self.error,
             "recorded_output": self.recorded_output,
             "replayed_output": self.replayed_output,
+            "children": [child.to_dict() for child in self.children],
         }
 
 
@@ -519,8 +538,43 @@ async def replay_run(
     """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions.
 
     `limits` default to the ones the run last ran under (its log), so the replay reproduces it;
-    a what-if with an edited workflow passes that workflow's own."""
+    a what-if with an edited workflow passes that workflow's own. Its child runs are replayed
+    too, each with the workflow its log names (`report.children`)."""
+    report, _ = await _replay(workflow, store, run_id, limits)
+    return report
+
+
+class ReplayChildren:
+    """A replay's child runs: each replayed from its own log (its workflow file as its
+    `run.started` names it), nothing live."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.reports: dict[int, ReplayReport] = {}
+        self._asked = 0
+
+    async def run(self, request: ChildRequest) -> ChildResult:
+        order = self._asked
+        self._asked += 1
+        try:
+            child = RecordedRun.load(self.store, request.run_id)
+        except RunNotFoundError:
+            raise ReplayDivergenceError(
+                f"the workflow started a child run ({request.run_id}) that the recorded run "
+                "never ran"
+            ) from None
+        path = str(child.started.data.get("workflow_path") or request.workflow)
+        spec = load_workflow(find_workflow(path, relative_to=request.caller))
+        report, result = await _replay(compile_workflow(spec), self.store, child.run_id, None)
+        self.reports[order] = report
+        return result.as_child()
+
+
+async def _replay(
+    workflow: CompiledWorkflow, store: EventStore, run_id: str, limits: Limits | None
+) -> tuple[ReplayReport, RunResult]:
     run = RecordedRun.load(store, run_id)
+    children = ReplayChildren(store)
     model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
     recorded = run.config().get("limits")
     settings = run.started.data.get("settings", {})
@@ -533,6 +587,7 @@ async def replay_run(
         human=AnsweringChannel(run.answers),  # then it suspends where the run did
         approval_required=frozenset(settings.get("approval") or ()),
         sleep=_no_wait,  # a replay takes no time: a retry's backoff is not waited for
+        children=children,
     )
     result = await kernel.run(
         run.goal,
@@ -540,6 +595,8 @@ async def replay_run(
         recorded_failures=run.action_failures,
         history=run.history(store),
         continues=run.continues,
+        parent_run_id=run.parent_run_id,
+        recorded_children=run.children,
     )
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()
@@ -560,7 +617,7 @@ async def replay_run(
                 replayed=_label(rep) if rep else None,
             )
         )
-    return ReplayReport(
+    report = ReplayReport(
         run.run_id,
         steps,
         recorded_reason,
@@ -571,7 +628,9 @@ async def replay_run(
         result.error,
         recorded_output=run.terminated.data.get("output") if run.terminated else None,
         replayed_output=as_json(result.output),
+        children=[children.reports[i] for i in sorted(children.reports)],
     )
+    return report, result
 
 
 async def _no_wait(_seconds: float) -> None:

@@ -172,10 +172,18 @@ _POSTGRES_V3 = (
     *_FILTER_INDEXES,
 )
 
+_PARENT = (
+    "ALTER TABLE runs ADD COLUMN parent_run_id TEXT",
+    "CREATE INDEX runs_parent ON runs (parent_run_id, started_at DESC, run_id DESC)",
+)
+"""v4: the run a child run (workflow.call, workflow.map) belongs to; NULL for a top-level run.
+Runs recorded before it have no children, so nothing to fill in."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
     Migration(version=2, name="add_runs_status", sqlite=_RUN_STATUS, postgres=_RUN_STATUS),
     Migration(version=3, name="add_runs_tokens", sqlite=_SQLITE_V3, postgres=_POSTGRES_V3),
+    Migration(version=4, name="add_runs_parent", sqlite=_PARENT, postgres=_PARENT),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -328,6 +336,7 @@ class RunDelta:
     last_ts: datetime
     workflow: str | None = None
     goal: str | None = None
+    parent_run_id: str | None = None
     started_at: datetime | None = None
     iterations: int = 0
     termination_reason: str | None = None
@@ -362,6 +371,8 @@ class RunDelta:
         if event.type is EventType.RUN_STARTED:
             self.workflow = str(event.data.get("workflow") or "")
             self.goal = str(event.data.get("goal") or "")
+            parent = event.data.get("parent_run_id")
+            self.parent_run_id = str(parent) if parent else None
             self.started_at = event.timestamp
         elif event.type is EventType.ITERATION_COMPLETED:
             self.iterations = max(self.iterations, event.iteration)
@@ -376,6 +387,7 @@ class RunDelta:
                 run_id=self.run_id,
                 workflow=self.workflow or "",
                 goal=self.goal or "",
+                parent_run_id=self.parent_run_id,
                 started_at=self.started_at or self.first_ts,
                 iterations=self.iterations,
                 termination_reason=self.termination_reason,
@@ -393,6 +405,7 @@ class RunDelta:
             run_id=self.run_id,
             workflow=summary.workflow if self.workflow is None else self.workflow,
             goal=summary.goal if self.goal is None else self.goal,
+            parent_run_id=summary.parent_run_id if self.started_at is None else self.parent_run_id,
             started_at=summary.started_at if self.started_at is None else self.started_at,
             iterations=max(summary.iterations, self.iterations),
             termination_reason=reason,

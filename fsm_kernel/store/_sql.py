@@ -157,10 +157,10 @@ def _statements(d: Dialect) -> Statements:
     # alone, so `updated_at` is when the run's summary last changed.
     conflict = f"""
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at,
-                  tokens, status)
+                  tokens, status, parent_run_id)
 VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
-        {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'))
+        {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'), {n("parent")})
 ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
     termination_reason = CASE WHEN {n("reopens")} THEN {n("reason")}
@@ -175,7 +175,7 @@ ON CONFLICT (run_id) DO UPDATE SET
     )
     upsert_run = (
         f"{conflict}, workflow = {n('workflow')}, goal = {n('goal')}, "
-        f"started_at = {n('started_at')}"
+        f"started_at = {n('started_at')}, parent_run_id = {n('parent')}"
     )
     return Statements(
         insert_event=(
@@ -191,7 +191,7 @@ ON CONFLICT (run_id) DO UPDATE SET
         next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
         select_runs=(
             "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, "
-            "status, tokens, updated_at FROM runs"
+            "status, tokens, updated_at, parent_run_id FROM runs"
         ),
         select_cursor=f"SELECT started_at, run_id FROM runs WHERE run_id = {p}",
         select_prefix=(
@@ -301,6 +301,7 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
         "run_id": delta.run_id,
         "workflow": delta.workflow,
         "goal": delta.goal,
+        "parent": delta.parent_run_id,
         "started_at": None if delta.started_at is None else d.to_db_ts(delta.started_at),
         "first_ts": d.to_db_ts(delta.first_ts),
         "iterations": delta.iterations,
@@ -315,7 +316,7 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     """The RunSummary of a select_runs row."""
-    run_id, workflow, goal, started_at, iterations, reason, status, tokens, updated_at = row
+    run_id, workflow, goal, started_at, iterations, reason, status, tokens, updated_at, parent = row
     return RunSummary(
         run_id=run_id,
         workflow=workflow,
@@ -326,6 +327,7 @@ def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
         tokens=int(tokens),
         status=status,
         updated_at=d.from_db_ts(updated_at),
+        parent_run_id=parent,
     )
 
 
@@ -336,6 +338,8 @@ def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
     p = d.param
     clauses: list[str] = []
     params: list[Any] = []
+    if where.top_level:
+        clauses.append("parent_run_id IS NULL")
     if where.workflow:
         clauses.append(f"workflow = {p}")
         params.append(where.workflow)

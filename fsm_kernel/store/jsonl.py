@@ -403,6 +403,8 @@ def _keeps(where: RunFilter | None, run: RunSummary) -> bool:
         return True
     if where.workflow and run.workflow != where.workflow:
         return False
+    if where.top_level and run.parent_run_id is not None:
+        return False
     if where.status in SUMMARY_STATUSES and run.status != where.status:
         return False
     if where.status not in SUMMARY_STATUSES and where.status:

@@ -23,6 +23,12 @@ from typing import Any
 from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
 from fsm_kernel.tools import DONE_TOOL
+from fsm_kernel.workflow.children import (
+    child_failed,
+    child_succeeded,
+    workflow_call,
+    workflow_map,
+)
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded
@@ -56,6 +62,9 @@ class ActionDef:
     name: str
     fn: ActionFn
     calls_model: bool = False
+    starts_children: bool = False
+    """It starts child runs (workflow.call, workflow.map): the kernel checks the iteration and
+    token limits first, as before a model call."""
 
     async def __call__(self, ctx: RunContext) -> None:
         result = self.fn(ctx)
@@ -436,6 +445,8 @@ BUILTIN_ACTIONS: dict[str, ActionDef] = {
     "tools.execute": ActionDef("tools.execute", tools_execute),
     "kernel.evaluate": ActionDef("kernel.evaluate", kernel_evaluate),
     "human.input": ActionDef("human.input", human_input),
+    "workflow.call": ActionDef("workflow.call", workflow_call, starts_children=True),
+    "workflow.map": ActionDef("workflow.map", workflow_map, starts_children=True),
 }
 
 
@@ -488,7 +499,7 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "done_called": lambda ctx: ctx.done_answer is not None,
     "fatal_tool_error": lambda ctx: ctx.fatal_error is not None,
     "iteration_limit": lambda ctx: (
-        bool(ctx.limits.max_iterations) and ctx.iteration >= ctx.limits.max_iterations
+        bool(ctx.limits.max_iterations) and ctx.iterations_used >= ctx.limits.max_iterations
     ),
     "budget_exceeded": budget_exceeded,
     "no_progress": lambda ctx: ctx.repeat_count >= ctx.limits.no_progress_repeats,
@@ -499,6 +510,8 @@ BUILTIN_GUARDS: dict[str, Callable[[RunContext], bool]] = {
     "approved": approved,
     "rejected": rejected,
     "caught": lambda ctx: ctx.caught is not None,
+    "child_succeeded": child_succeeded,
+    "child_failed": child_failed,
 }
 
 

@@ -30,6 +30,7 @@ from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, SuspendingChann
 from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 
 if TYPE_CHECKING:
+    from fsm_kernel.workflow.children import ChildResult, ChildRunner
     from fsm_kernel.workflow.output import OutputSchema
 
 __all__ = [
@@ -126,6 +127,10 @@ class RunServices:
     recorded_failures: Mapping[tuple[str, int, int], Exception] = field(default_factory=dict)
     """A re-driven run's recorded action failures (not the model's, which its model serves):
     by (state, visit, attempt), raised instead of running the action again."""
+    children: ChildRunner | None = None
+    """Runs the child runs of `workflow.call` / `workflow.map` states."""
+    recorded_children: Sequence[str] = ()
+    """A re-driven run's child run ids, in the order it started them (`child.started`)."""
 
     def model_for(self, state: str) -> ChatModel | None:
         """The model the calls of `state` go to."""
@@ -144,6 +149,10 @@ class KernelNotes:
     """The failure of the action that just ran, which a catch edge is about to route."""
     visits: dict[str, int] = field(default_factory=dict)
     """How many times each state with `retry:`/`catch:` had its action run (retries aside)."""
+    deadline: asyncio.Timeout | None = None
+    """The run's wall-clock deadline while the kernel drives it (a child gets what is left)."""
+    children_started: int = 0
+    """Child runs started so far (the index of the next one in `recorded_children`)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -154,6 +163,8 @@ class RunContext:
     # -- the run's parameters, fixed when it starts --
     run_id: str = ""
     goal: str = ""
+    workflow_path: str = ""
+    """The workflow's file (a `workflow.call` state's relative path starts from its folder)."""
     system_prompt: str = ""
     limits: Limits = field(default_factory=Limits)
     tool_names: Sequence[str] = ()
@@ -214,10 +225,20 @@ class RunContext:
     caught: CaughtError | None = None
     """The last failure a state's `catch:` routed (None until one does; the next replaces it):
     which state failed, how, and the error text. The `caught` guard reads it."""
+    children: list[ChildResult] = field(default_factory=list)
+    """The child runs of the last `workflow.call` (one) or `workflow.map` (one per item, in
+    item order) state; the guards `child_succeeded` and `child_failed` read them."""
+    child_iterations: int = 0
+    """Model calls made by the run's children: they count against `limits.max_iterations`."""
     attempt: int = 1
     """The attempt of the running action: 2 and up when a state's `retry:` runs it again
     (agent.think then neither re-adds the state's prompt nor counts a new iteration)."""
     notes: KernelNotes = field(default_factory=KernelNotes, repr=False)
+
+    @property
+    def iterations_used(self) -> int:
+        """The run's model calls and its children's: what `limits.max_iterations` caps."""
+        return self.iteration + self.child_iterations
 
     @property
     def model(self) -> ChatModel | None:

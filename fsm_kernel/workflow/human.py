@@ -46,6 +46,8 @@ class Question:
     """The call to approve (approval only)."""
     prompt: str | None = None
     """The question shown to the person (input only)."""
+    child_run_id: str | None = None
+    """The child run that asks (the parent waits with it; resume the parent to answer)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The `waiting_for` object of `run.suspended`, `--json` and the Python result."""
@@ -58,6 +60,8 @@ class Question:
             }
         if self.prompt is not None:
             d["prompt"] = self.prompt
+        if self.child_run_id is not None:
+            d["child_run_id"] = self.child_run_id
         return d
 
 
@@ -170,6 +174,11 @@ class AnsweringChannel:
     def given_used(self) -> bool:
         return self._given is None
 
+    def take_given(self) -> HumanAnswer | None:
+        """The answer given to `resume`, once (for a child run that waits: it takes it)."""
+        given, self._given = self._given, None
+        return given
+
     async def ask(self, question: Question) -> HumanAnswer:
         if self._recorded:
             self.served += 1
@@ -195,6 +204,11 @@ class OffTheClock:
         self.channel = channel
         self.deadline: asyncio.Timeout | None = None
         """The run's deadline (the kernel sets it while it drives the run)."""
+
+    def take_given(self) -> HumanAnswer | None:
+        """The wrapped channel's unused resume answer, if it has one (see AnsweringChannel)."""
+        take = getattr(self.channel, "take_given", None)
+        return take() if callable(take) else None
 
     async def ask(self, question: Question) -> HumanAnswer:
         deadline, loop = self.deadline, asyncio.get_running_loop()

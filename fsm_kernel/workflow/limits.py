@@ -91,7 +91,7 @@ def _budget(ctx: RunContext) -> LimitHit | None:
 
 def _iterations(ctx: RunContext) -> LimitHit | None:
     cap = ctx.limits.max_iterations
-    if not cap or ctx.iteration < cap:
+    if not cap or ctx.iterations_used < cap:
         return None
     return LimitHit(TerminationReason.MAX_ITERATIONS, None)
 

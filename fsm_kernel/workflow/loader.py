@@ -21,6 +21,7 @@ import yaml
 from pydantic import ValidationError
 from yaml.events import AliasEvent, CollectionStartEvent
 
+from fsm_kernel.config import package_data_dir
 from fsm_kernel.errors import WorkflowSyntaxError, WorkflowValidationError
 from fsm_kernel.workflow.spec import SourceLocation, WorkflowSpec
 
@@ -32,10 +33,12 @@ __all__ = [
     "StrictBoolLoader",
     "YamlLimitError",
     "compose_yaml",
+    "find_workflow",
     "load_workflow",
     "load_workflow_text",
     "parse_yaml_with_locations",
     "read_yaml_file",
+    "stock_workflow_names",
 ]
 
 Locations = dict[tuple[Any, ...], SourceLocation]
@@ -250,9 +253,10 @@ def _error_location(err: Any, locs: Locations, path: str) -> SourceLocation | st
 
 
 def load_workflow_text(
-    text: str, *, path: str = "<string>", import_code: bool = True
+    text: str, *, path: str = "<string>", import_code: bool = True, calls: bool = True
 ) -> WorkflowSpec:
-    """Parse and validate a workflow from text (see load_workflow)."""
+    """Parse and validate a workflow from text (see load_workflow; `calls`: check that the
+    workflows its states call exist and never call it back)."""
     from fsm_kernel.workflow.validate import validate_workflow
 
     data, locs = parse_yaml_with_locations(text, path)
@@ -270,10 +274,16 @@ def load_workflow_text(
     spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
     spec._locations = locs
     validate_workflow(spec, import_code=import_code)
+    if calls:
+        from fsm_kernel.workflow.validate import check_calls
+
+        check_calls(spec)
     return spec
 
 
-def load_workflow(path: str | Path, *, import_code: bool = True) -> WorkflowSpec:
+def load_workflow(
+    path: str | Path, *, import_code: bool = True, calls: bool = True
+) -> WorkflowSpec:
     """Load, parse and validate a workflow file.
 
     With `import_code=False` the file is read as data only: the structure is checked, but the
@@ -293,4 +303,36 @@ def load_workflow(path: str | Path, *, import_code: bool = True) -> WorkflowSpec
         raise WorkflowValidationError(f"{p}: no such workflow file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkflowValidationError(f"{p}: cannot read: {exc}") from None
-    return load_workflow_text(text, path=str(path), import_code=import_code)
+    return load_workflow_text(text, path=str(path), import_code=import_code, calls=calls)
+
+
+def stock_workflow_names() -> list[str]:
+    """The names of the stock workflows, sorted."""
+    stock = package_data_dir("workflows")
+    return sorted(p.stem for p in stock.glob("*.yaml")) if stock is not None else []
+
+
+def find_workflow(ref: str | Path, *, relative_to: str | Path | None = None) -> Path:
+    """The workflow file `ref` names: a path that exists (relative to the folder of the file
+    `relative_to`, a calling workflow, first; then to the current directory), else a stock
+    workflow by name ("react" or "react.yaml").
+
+    Raises:
+        WorkflowValidationError: no such file or stock workflow, or `ref` is a folder.
+    """
+    path = Path(ref)
+    candidates = [path]
+    if relative_to is not None and not path.is_absolute():
+        candidates.insert(0, Path(relative_to).parent / path)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+        if candidate.is_dir():
+            raise WorkflowValidationError(f"{ref}: is a folder; give a workflow .yaml file")
+    stock = package_data_dir("workflows")
+    if stock is not None and "/" not in str(ref):
+        candidate = stock / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(stock_workflow_names()) or "none"
+    raise WorkflowValidationError(f"{ref}: no such workflow file or stock workflow (stock: {names})")

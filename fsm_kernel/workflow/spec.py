@@ -448,6 +448,36 @@ class StateSpec(_Model):
         "for as JSON under it and validated; an invalid one is malformed output. Default: the "
         "workflow's `output:` where `answer` is true.",
     )
+    workflow: str | None = Field(
+        default=None,
+        description="For workflow.call and workflow.map: the workflow each child run runs: a "
+        "stock name (react) or a path to a YAML file (relative to this file's folder)",
+    )
+    input: str | None = Field(
+        default=None,
+        description="For workflow.call and workflow.map: the child's prompt, a template with "
+        "{goal}, {answer}, {output}, {output.KEY}, {child.answer}, {child.output.KEY}, "
+        "{children}, {scratch.KEY} and, in a map, {item} (objects as JSON) and {index} "
+        "(from 1). Default {goal} (call), {item} (map)",
+    )
+    items: str | None = Field(
+        default=None,
+        description="For workflow.map: where the list comes from: output.KEY (the last "
+        "validated structured output), output, child.output.KEY or scratch.KEY",
+    )
+    max_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        strict=True,
+        description="For workflow.map: the most child runs at the same time. Default 4",
+    )
+    fail_fast: bool | None = Field(
+        default=None,
+        strict=True,
+        description="For workflow.map: the first failed item cancels the others (default "
+        "false: every item runs)",
+    )
 
 
 class TransitionSpec(_Model):

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from pathlib import Path
 
 from fsm_kernel.errors import WorkflowValidationError
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
+from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import TERMINATION_REASONS, StateSpec, WorkflowSpec
 
-__all__ = ["EVENT_NAME", "RESERVED_NAMES", "validate_workflow"]
+__all__ = ["EVENT_NAME", "RESERVED_NAMES", "check_calls", "validate_workflow"]
 
 EVENT_NAME = "next"
 """The one event the kernel sends; a state may not share its name."""
@@ -99,16 +101,102 @@ def _check_refs(spec: WorkflowSpec) -> None:
 def _check_answer_flags(spec: WorkflowSpec) -> None:
     """`answer: false` only means something where the action calls the model (actions resolve)."""
     for sid, state in spec.states.items():
-        if state.answer or (state.action and resolve_action(state.action).calls_model):
+        if state.answer or state.action == "workflow.call":
+            continue
+        if state.action and resolve_action(state.action).calls_model:
             continue
         raise _fail(
             spec,
             f"'answer: false' does nothing on state {sid!r}: only a state whose action calls "
-            "the model (agent.think) replies with an answer",
+            "the model (agent.think) or a workflow (workflow.call) replies with an answer",
             "states",
             sid,
             "answer",
         )
+
+
+_CALL_KEYS = ("workflow", "input")
+_MAP_KEYS = ("items", "max_concurrency", "fail_fast")
+
+
+def _check_children(spec: WorkflowSpec) -> None:
+    """`workflow:`/`input:` only on workflow.call/map states, which need a `workflow:`; the map
+    keys only on workflow.map states, which need `items:`; templates name known values."""
+    for sid, state in spec.states.items():
+        calls = state.action in CALL_ACTIONS
+        is_map = state.action == "workflow.map"
+        for key in (*_CALL_KEYS, *_MAP_KEYS):
+            if getattr(state, key) is None or (is_map if key in _MAP_KEYS else calls):
+                continue
+            needs = "workflow.map" if key in _MAP_KEYS else "workflow.call or workflow.map"
+            raise _fail(
+                spec,
+                f"'{key}' does nothing on state {sid!r}: only a {needs} state uses it",
+                "states",
+                sid,
+                key,
+            )
+        if calls and not state.workflow:
+            raise _fail(
+                spec,
+                f"state {sid!r} runs {state.action} but names no workflow: add e.g. "
+                "'workflow: react'",
+                "states",
+                sid,
+            )
+        if is_map and not state.items:
+            raise _fail(
+                spec,
+                f"state {sid!r} runs workflow.map but says nothing of its items: add e.g. "
+                "'items: output.steps'",
+                "states",
+                sid,
+            )
+        known = TEMPLATE_NAMES | (MAP_NAMES if is_map else frozenset())
+        places = [("input", template_names(state.input or ""))]
+        if state.items:
+            places.append(("items", [state.items.strip().strip("{}").split(".")[0]]))
+        for key, names in places:
+            for name in names:
+                if name not in known or (key == "items" and name in MAP_NAMES):
+                    shown = ", ".join(sorted(known - (MAP_NAMES if key == "items" else set())))
+                    raise _fail(
+                        spec,
+                        f"{key} of state {sid!r} names {name!r}, which the run does not have "
+                        f"(known: {shown})",
+                        "states",
+                        sid,
+                        key,
+                    )
+
+
+def check_calls(spec: WorkflowSpec) -> None:
+    """Every workflow a `workflow.call`/`workflow.map` state names exists, is valid, and never
+    calls back a workflow on the way to it (directly or through a cycle of files)."""
+    _check_calls(spec, [Path(spec.path).resolve()])
+
+
+def _check_calls(spec: WorkflowSpec, stack: list[Path]) -> None:
+    from fsm_kernel.workflow.loader import find_workflow, load_workflow
+
+    for sid, state in spec.states.items():
+        if state.action not in CALL_ACTIONS or not state.workflow:
+            continue
+        where = ("states", sid, "workflow")
+        try:
+            path = find_workflow(state.workflow, relative_to=spec.path)
+        except WorkflowValidationError as exc:
+            raise _fail(spec, exc.message, *where) from None
+        resolved = path.resolve()
+        if resolved in stack:
+            chain = [p.name for p in stack[stack.index(resolved) :]] + [resolved.name]
+            raise _fail(
+                spec,
+                f"state {sid!r} calls a workflow that is already running on the way here, so "
+                f"it would never end: {' → '.join(chain)}",
+                *where,
+            )
+        _check_calls(load_workflow(path, import_code=False, calls=False), [*stack, resolved])
 
 
 def _check_parallel_flags(spec: WorkflowSpec) -> None:
@@ -330,6 +418,7 @@ def validate_workflow(spec: WorkflowSpec, *, import_code: bool = True) -> None:
     _check_reasons(spec)
     _check_transitions(spec)
     _check_parallel_flags(spec)
+    _check_children(spec)
     if import_code:
         _check_refs(spec)
         _check_answer_flags(spec)

@@ -404,7 +404,8 @@ def test_answer_false_where_no_model_is_asked_is_an_error(old: str, new: str, wh
     sid = "check" if "evaluate" in old else "end"
     assert str(info.value) == (
         f"w.yaml:{where}: 'answer: false' does nothing on state {sid!r}: only a state whose "
-        "action calls the model (agent.think) replies with an answer"
+        "action calls the model (agent.think) or a workflow (workflow.call) replies with an "
+        "answer"
     )
 
 

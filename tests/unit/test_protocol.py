@@ -182,6 +182,8 @@ def test_event_types_are_a_stored_schema() -> None:
         "action.failed",
         "error.caught",
         "context.trimmed",
+        "child.started",
+        "child.finished",
     ]
 
 

@@ -1,0 +1,168 @@
+"""The live ChildRunner: runs the children of `workflow.call` / `workflow.map` states for the
+runs of one Agent (so for the CLI, the scheduler and users' code alike).
+
+A child run gets the parent's model server settings (model, base URL, key, timeouts, retries,
+workspace; not its limits, system prompt or memory, which are the child workflow's own) and
+the parent's store. Given the id its parent recorded, it is found in the store first: a child
+that ended is not run again (its outcome is read from its log), one that was cut off (killed,
+or waiting for a person with the answer now given) is resumed, and one the store does not
+have is started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsm_kernel.bootstrap import RunOptions, build_kernel, recorded_options
+from fsm_kernel.errors import RunNotFoundError
+from fsm_kernel.kernel import Kernel, Watcher
+from fsm_kernel.protocol import ChatModel, EventStore, EventType, Usage
+from fsm_kernel.replay import RecordedRun, resume_run
+from fsm_kernel.workflow.children import ChildRequest, ChildResult
+from fsm_kernel.workflow.human import HumanChannel
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+
+__all__ = ["LiveChildren", "bounded_limits"]
+
+_INHERITED = (
+    "model",
+    "base_url",
+    "api_key",
+    "request_timeout",
+    "max_retries",
+    "max_response_bytes",
+    "stream",
+    "workspace",
+)
+"""The parent's options a child run gets (the server it talks to, where it works)."""
+
+
+def bounded_limits(own: Limits, iterations: int | None, seconds: float | None) -> Limits:
+    """A child's limits: its workflow's own, capped by what its parent has left (0 in a
+    limit means none, so the parent's remainder replaces it)."""
+    updates: dict[str, Any] = {}
+    if iterations is not None:
+        cap = own.max_iterations
+        updates["max_iterations"] = min(cap, iterations) if cap else iterations
+    if seconds is not None:
+        cap_s = own.timeout_seconds
+        updates["timeout_seconds"] = min(cap_s, seconds) if cap_s else seconds
+    return own.model_copy(update=updates) if updates else own
+
+
+class LiveChildren:
+    """Starts, resumes or reuses child runs (see the module's docstring)."""
+
+    def __init__(
+        self,
+        options: RunOptions,
+        *,
+        store: EventStore | None,
+        parent_model: ChatModel,
+        chat_model: ChatModel | None = None,
+        human: HumanChannel | None = None,
+        on_event: Watcher | None = None,
+        closers: list[Callable[[], Any]] | None = None,
+    ) -> None:
+        self.options = RunOptions(**{k: getattr(options, k) for k in _INHERITED})
+        self.store = store
+        self.parent_model = parent_model
+        self.chat_model = chat_model
+        self.human = human
+        self.on_event = on_event
+        self.closers = closers if closers is not None else []
+        self._kernels: dict[Path, Kernel] = {}
+
+    async def run(self, request: ChildRequest) -> ChildResult:
+        path = find_workflow(request.workflow, relative_to=request.caller)
+        recorded = self._recorded(request.run_id)
+        if recorded is not None:
+            return await self._again(recorded, path, request)
+        kernel = self._kernel(path)
+        limits = bounded_limits(kernel.limits, request.max_iterations, request.timeout_seconds)
+        result = await kernel.run(
+            request.prompt,
+            run_id=request.run_id,
+            limits=limits,
+            parent_run_id=request.parent_run_id,
+        )
+        return result.as_child()
+
+    def _recorded(self, run_id: str) -> RecordedRun | None:
+        if self.store is None:
+            return None
+        try:
+            return RecordedRun.load(self.store, run_id)
+        except RunNotFoundError:
+            return None
+
+    async def _again(self, run: RecordedRun, path: Path, request: ChildRequest) -> ChildResult:
+        """A child the store has: its outcome when it ended, else it goes on (resumed)."""
+        assert self.store is not None
+        spec = self._spec(run, path)
+        if not run.resumable:
+            return _from_log(run, spec)
+        answer = None
+        if run.waiting_for is not None:
+            answer = request.take_answer()
+            if answer is None:  # still nobody to answer: the parent waits on
+                return _from_log(run, spec)
+        options = RunOptions(**self.options.given()).over(recorded_options(run.config()))
+        kernel = self._build(spec, options)
+        result = await resume_run(kernel, self.store, run.run_id, answer=answer)
+        return result.as_child()
+
+    def _spec(self, run: RecordedRun, path: Path) -> WorkflowSpec:
+        recorded = run.started.data.get("workflow_path")
+        if recorded and Path(str(recorded)).is_file():
+            return load_workflow(str(recorded))
+        return load_workflow(path)
+
+    def _kernel(self, path: Path) -> Kernel:
+        key = path.resolve()
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._kernels[key] = self._build(load_workflow(path), self.options)
+        return kernel
+
+    def _build(self, spec: WorkflowSpec, options: RunOptions) -> Kernel:
+        """A kernel for the child's workflow: the parent's model when the child's workflow
+        names no server settings of its own (`agent:`), else one of its own (closed with the
+        agent)."""
+        own_agent = bool(spec.agent.model_dump(exclude_none=True))
+        shared = self.chat_model or (None if own_agent else self.parent_model)
+        kernel, model = build_kernel(
+            spec, options, store=self.store, chat_model=shared, human=self.human
+        )
+        kernel.on_event = self.on_event
+        kernel.children = self
+        if model is not shared and hasattr(model, "aclose"):
+            self.closers.append(model.aclose)
+        return kernel
+
+
+def _from_log(run: RecordedRun, spec: WorkflowSpec) -> ChildResult:
+    """A child's outcome as its log records it (it ended, or it waits for a person)."""
+    usage = Usage()
+    iterations = 0
+    for e in run.events:
+        if e.type == EventType.MODEL_RESPONDED:
+            usage = usage + Usage.from_dict(e.data["completion"].get("usage") or {})
+        iterations = max(iterations, e.iteration)
+    ended = run.terminated.data if run.terminated is not None else {}
+    reason = ended.get("reason")
+    return ChildResult(
+        run_id=run.run_id,
+        workflow=spec.name,
+        reason=None if reason is None else str(reason),
+        ok=reason is not None and spec.is_success(str(reason)),
+        answer=str(ended.get("answer") or ""),
+        output=ended.get("output"),
+        iterations=int(ended.get("iterations", iterations)),
+        usage=usage,
+        error=ended.get("error"),
+        waiting_for=run.waiting_for,
+    )

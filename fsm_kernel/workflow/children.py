@@ -1,0 +1,396 @@
+"""Child runs: a `workflow.call` state runs another workflow as a run of its own, a
+`workflow.map` state runs one child per item of a list, at most `max_concurrency` at a time.
+
+A child is a run like any other (its own event log, linked to the parent by `parent_run_id`).
+The parent records each child's id (`child.started`) before the child starts and its outcome
+(`child.finished`) after, so a re-driven parent (resume, replay) meets the same children: the
+`ChildRunner` (a per-run collaborator, `RunServices.children`) reuses a child that ended,
+resumes one that was cut off, and starts one that never began. The parent gets the children's
+answers in its context (`ctx.children`, the guards `child_succeeded` / `child_failed`) and in
+its conversation (one user message), and spends their iterations and tokens from its own
+limits: a child may use at most the iterations and the time the parent has left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from fsm_kernel.errors import FsmKernelError
+from fsm_kernel.protocol import EventType, Message, ToolCall, Usage, new_id
+from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
+
+__all__ = [
+    "CALL_ACTIONS",
+    "TEMPLATE_NAMES",
+    "ChildRequest",
+    "ChildResult",
+    "ChildRunner",
+    "child_failed",
+    "child_succeeded",
+    "render",
+    "template_names",
+    "workflow_call",
+    "workflow_map",
+]
+
+CALL_ACTIONS = frozenset({"workflow.call", "workflow.map"})
+"""The built-in actions that start child runs."""
+
+TEMPLATE_NAMES = frozenset({"goal", "answer", "output", "child", "children", "scratch"})
+"""What an `input:` template and an `items:` path may start with (a map adds item, index)."""
+MAP_NAMES = frozenset({"item", "index"})
+
+DEFAULT_CONCURRENCY = 4
+"""A map's `max_concurrency` when the state does not say."""
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)\}")
+
+
+class TemplateError(FsmKernelError):
+    """An `input:` template or an `items:` path that names nothing in the run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildRequest:
+    """What a parent asks its ChildRunner for: one child run."""
+
+    run_id: str
+    """Chosen (and recorded) by the parent before the child starts."""
+    parent_run_id: str
+    workflow: str
+    """As the state names it: a stock name or a path."""
+    caller: str
+    """The calling workflow's file: a relative `workflow:` path starts from its folder."""
+    prompt: str
+    max_iterations: int | None = None
+    """The parent's remaining model calls (None: the parent has no cap)."""
+    timeout_seconds: float | None = None
+    """The parent's remaining time in seconds (None: the parent has no timeout)."""
+    take_answer: Callable[[], HumanAnswer | None] = field(default=lambda: None, repr=False)
+    """The answer the parent's resume was given, if still unused: for a child that waits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildResult:
+    """How a child run ended (or that it waits for a person)."""
+
+    run_id: str
+    workflow: str
+    reason: str | None
+    """Its termination reason; None while it waits for a person or when it never started."""
+    ok: bool
+    answer: str = ""
+    output: Any = None
+    """Its structured output (JSON data), None without one."""
+    iterations: int = 0
+    usage: Usage = field(default_factory=Usage)
+    error: str | None = None
+    waiting_for: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "reason": self.reason,
+            "ok": self.ok,
+            "answer": self.answer,
+            "output": self.output,
+            "iterations": self.iterations,
+            "usage": self.usage.to_dict(),
+        }
+        if self.error:
+            d["error"] = self.error
+        if self.waiting_for is not None:
+            d["waiting_for"] = self.waiting_for
+        return d
+
+    def view(self) -> dict[str, Any]:
+        """What templates see of it: `{child.answer}`, `{child.output.KEY}`, ..."""
+        return {
+            "run_id": self.run_id,
+            "workflow": self.workflow,
+            "reason": self.reason,
+            "ok": self.ok,
+            "answer": self.answer,
+            "output": self.output,
+            "error": self.error,
+        }
+
+
+@runtime_checkable
+class ChildRunner(Protocol):
+    """Runs child runs for a parent: starts, resumes or reuses the run `request.run_id`."""
+
+    async def run(self, request: ChildRequest) -> ChildResult: ...
+
+
+# --- templates ---------------------------------------------------------------------------
+
+
+def template_names(template: str) -> list[str]:
+    """The root names a template's placeholders use (`{output.steps}` uses `output`)."""
+    return [m.group(1).split(".")[0] for m in _PLACEHOLDER.finditer(template)]
+
+
+def _values(ctx: RunContext, extra: Mapping[str, Any]) -> dict[str, Any]:
+    last = ctx.children[-1].view() if ctx.children else None
+    return {
+        "goal": ctx.goal,
+        "answer": ctx.answer,
+        "output": ctx.last_output if ctx.last_output is not None else ctx.output,
+        "child": last,
+        "children": [c.answer for c in ctx.children],
+        "scratch": ctx.scratch,
+        **extra,
+    }
+
+
+def _lookup(values: Mapping[str, Any], path: str) -> Any:
+    current: Any = values
+    for part in path.split("."):
+        current = _plain(current)
+        if isinstance(current, Mapping) and part in current:
+            current = current[part]
+        elif isinstance(current, list) and part.isdigit() and int(part) < len(current):
+            current = current[int(part)]
+        else:
+            raise TemplateError(f"{{{path}}} names nothing in the run (no {part!r})")
+    return _plain(current)
+
+
+def _plain(value: Any) -> Any:
+    """A pydantic model as its JSON data; anything else as it is."""
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json") if callable(dump) else value
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render(template: str, ctx: RunContext, extra: Mapping[str, Any] | None = None) -> str:
+    """`template` with each `{name.path}` replaced by its value (objects as JSON)."""
+    values = _values(ctx, extra or {})
+    return _PLACEHOLDER.sub(lambda m: _text(_lookup(values, m.group(1))), template)
+
+
+def _items(ctx: RunContext, path: str) -> list[Any]:
+    value = _lookup(_values(ctx, {}), path.strip().strip("{}"))
+    if not isinstance(value, list):
+        shown = json.dumps(value, ensure_ascii=False)[:120]
+        raise TemplateError(f"items {path!r} is not a list (it is {shown})")
+    return value
+
+
+# --- the actions ------------------------------------------------------------------------
+
+
+def _remaining(ctx: RunContext) -> tuple[int | None, float | None]:
+    """The model calls and seconds the parent has left for a child."""
+    cap = ctx.limits.max_iterations
+    iterations = max(cap - ctx.iterations_used, 1) if cap else None
+    seconds = None
+    deadline = ctx.notes.deadline
+    when = deadline.when() if deadline is not None else None
+    if when is not None:
+        seconds = max(when - asyncio.get_running_loop().time(), 0.001)
+    return iterations, seconds
+
+
+def _next_child_id(ctx: RunContext) -> str:
+    """The id of the run's next child: the recorded one when the run is re-driven."""
+    n = ctx.notes.children_started
+    ctx.notes.children_started += 1
+    recorded = ctx.services.recorded_children
+    return recorded[n] if n < len(recorded) else new_id()
+
+
+def _request(ctx: RunContext, run_id: str, prompt: str) -> ChildRequest:
+    iterations, seconds = _remaining(ctx)
+    take = getattr(ctx.services.human, "take_given", None)
+    return ChildRequest(
+        run_id=run_id,
+        parent_run_id=ctx.run_id,
+        workflow=str(ctx.state_spec.workflow),
+        caller=ctx.workflow_path,
+        prompt=prompt,
+        max_iterations=iterations,
+        timeout_seconds=seconds,
+        take_answer=take if callable(take) else (lambda: None),
+    )
+
+
+def _runner(ctx: RunContext) -> ChildRunner:
+    runner = ctx.services.children
+    if runner is None:
+        raise FsmKernelError(f"{ctx.state_spec.action} needs a child runner, but the run has none")
+    return runner
+
+
+def _started(ctx: RunContext, run_id: str, prompt: str, item: int | None) -> None:
+    data: dict[str, Any] = {
+        "run_id": run_id,
+        "workflow": ctx.state_spec.workflow,
+        "input": prompt,
+    }
+    if item is not None:
+        data["item"] = item
+    ctx.record(EventType.CHILD_STARTED, data)
+
+
+async def _finished(ctx: RunContext, result: ChildResult, item: int | None) -> None:
+    data = result.to_dict()
+    if item is not None:
+        data["item"] = item
+    ctx.record(EventType.CHILD_FINISHED, data)
+    await ctx.flush()
+
+
+def _absorb(ctx: RunContext, results: Sequence[ChildResult]) -> None:
+    """The children's outcome into the parent: its context, its usage and its budget."""
+    ctx.children = list(results)
+    for result in results:
+        ctx.child_iterations += result.iterations
+        ctx.usage = ctx.usage + result.usage
+
+
+def _wait_for(ctx: RunContext, results: Sequence[ChildResult]) -> None:
+    """Suspend the parent when a child waits for a person (the first one, in item order):
+    resuming the parent with the answer resumes that child."""
+    for result in results:
+        waiting = result.waiting_for
+        if waiting is None:
+            continue
+        call = waiting.get("tool_call")
+        tool_call = None
+        if isinstance(call, Mapping):
+            tool_call = ToolCall(
+                id=str(call.get("id")),
+                name=str(call.get("name")),
+                arguments=dict(call.get("arguments") or {}),
+            )
+        raise Suspended(
+            Question(
+                kind="input" if waiting.get("kind") == "input" else "approval",
+                state=ctx.current_state,
+                tool_call=tool_call,
+                prompt=waiting.get("prompt"),
+                child_run_id=result.run_id,
+            )
+        )
+
+
+def _shown(result: ChildResult) -> str:
+    if result.ok:
+        return result.answer
+    why = result.error or result.answer or "no answer"
+    return f"(failed: {result.reason or 'did not end'}) {why}"
+
+
+async def workflow_call(ctx: RunContext) -> None:
+    """Run the state's `workflow:` as a child run on the `input:` template (default the goal);
+    its answer becomes the parent's (where `answer` is true) and joins the conversation."""
+    prompt = render(ctx.state_spec.input or "{goal}", ctx)
+    run_id = _next_child_id(ctx)
+    _started(ctx, run_id, prompt, None)
+    await ctx.flush()
+    result = await _runner(ctx).run(_request(ctx, run_id, prompt))
+    await _finished(ctx, result, None)
+    _absorb(ctx, [result])
+    _wait_for(ctx, [result])
+    if result.ok and ctx.state_spec.answer:
+        ctx.answer = result.answer
+    message = Message.user(
+        f"The workflow {ctx.state_spec.workflow!r} (run {run_id}) was asked: {prompt}\n"
+        f"It answered: {_shown(result)}"
+    )
+    ctx.session.add(message)
+    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+
+
+async def workflow_map(ctx: RunContext) -> None:
+    """Run the state's `workflow:` once per item of `items:`, at most `max_concurrency` at a
+    time; the answers, in item order, join the conversation as one message. A failed item
+    cancels the others only with `fail_fast: true`."""
+    spec = ctx.state_spec
+    items = _items(ctx, str(spec.items))
+    template = spec.input or "{item}"
+    prompts = [render(template, ctx, {"item": item, "index": i + 1}) for i, item in enumerate(items)]
+    ids = [_next_child_id(ctx) for _ in items]
+    for i, (run_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        _started(ctx, run_id, prompt, i)
+    await ctx.flush()  # every child's id is on disk before any child starts
+    runner = _runner(ctx)
+    gate = asyncio.Semaphore(spec.max_concurrency or DEFAULT_CONCURRENCY)
+    failed = asyncio.Event()
+    results: dict[int, ChildResult] = {}
+
+    async def one(i: int) -> None:
+        async with gate:
+            if failed.is_set():  # fail_fast: an earlier item failed before this one began
+                result = ChildResult(
+                    run_id=ids[i],
+                    workflow=str(spec.workflow),
+                    reason=None,
+                    ok=False,
+                    error="not started: an earlier item failed (fail_fast)",
+                )
+            else:
+                result = await runner.run(_request(ctx, ids[i], prompts[i]))
+        results[i] = result
+        if not result.ok and result.waiting_for is None and spec.fail_fast:
+            failed.set()
+            for j, task in enumerate(tasks):
+                if j != i and not task.done():
+                    task.cancel()
+        await _finished(ctx, result, i)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(items))]
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, asyncio.CancelledError) and i not in results:
+            results[i] = ChildResult(
+                run_id=ids[i],
+                workflow=str(spec.workflow),
+                reason="cancelled",
+                ok=False,
+                error="cancelled: another item failed (fail_fast)",
+            )
+            await _finished(ctx, results[i], i)
+        elif isinstance(outcome, BaseException):
+            raise outcome
+    ordered = [results[i] for i in range(len(items))]
+    _absorb(ctx, ordered)
+    _wait_for(ctx, ordered)
+    lines = [
+        f"{i + 1}. {prompts[i]}\n   → {_shown(result)}" for i, result in enumerate(ordered)
+    ]
+    message = Message.user(
+        f"The workflow {spec.workflow!r} ran once per item ({len(ordered)} items):\n"
+        + "\n".join(lines)
+    )
+    ctx.session.add(message)
+    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+
+
+# --- guards --------------------------------------------------------------------------------
+
+
+def child_succeeded(ctx: RunContext) -> bool:
+    """The last workflow.call / workflow.map state's children all ended for a success reason."""
+    return bool(ctx.children) and all(c.ok for c in ctx.children)
+
+
+def child_failed(ctx: RunContext) -> bool:
+    """A child of the last workflow.call / workflow.map state did not succeed."""
+    return any(not c.ok for c in ctx.children)
