@@ -201,6 +201,7 @@ def test_run_summary_to_dict() -> None:
         "termination_reason": None,
         "tokens": 0,
         "updated_at": None,
+        "parent_run_id": None,
     }
 
 
