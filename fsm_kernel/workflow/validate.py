@@ -172,11 +172,14 @@ def _check_children(spec: WorkflowSpec) -> None:
 
 def check_calls(spec: WorkflowSpec) -> None:
     """Every workflow a `workflow.call`/`workflow.map` state names exists, is valid, and never
-    calls back a workflow on the way to it (directly or through a cycle of files)."""
-    _check_calls(spec, [Path(spec.path).resolve()])
+    calls back a workflow on the way to it (directly or through a cycle of files): reported at
+    the state of `spec` the cycle starts from."""
+    _check_calls(spec, [Path(spec.path).resolve()], None)
 
 
-def _check_calls(spec: WorkflowSpec, stack: list[Path]) -> None:
+def _check_calls(
+    spec: WorkflowSpec, stack: list[Path], origin: tuple[WorkflowSpec, str] | None
+) -> None:
     from fsm_kernel.workflow.loader import find_workflow, load_workflow
 
     for sid, state in spec.states.items():
@@ -188,15 +191,19 @@ def _check_calls(spec: WorkflowSpec, stack: list[Path]) -> None:
         except WorkflowValidationError as exc:
             raise _fail(spec, exc.message, *where) from None
         resolved = path.resolve()
+        first, first_sid = origin or (spec, sid)
         if resolved in stack:
             chain = [p.name for p in stack[stack.index(resolved) :]] + [resolved.name]
             raise _fail(
-                spec,
-                f"state {sid!r} calls a workflow that is already running on the way here, so "
-                f"it would never end: {' → '.join(chain)}",
-                *where,
+                first,
+                f"state {first_sid!r} starts a cycle of workflow calls that would never end: "
+                f"{' → '.join(chain)}",
+                "states",
+                first_sid,
+                "workflow",
             )
-        _check_calls(load_workflow(path, import_code=False, calls=False), [*stack, resolved])
+        child = load_workflow(path, import_code=False, calls=False)
+        _check_calls(child, [*stack, resolved], (first, first_sid))
 
 
 def _check_parallel_flags(spec: WorkflowSpec) -> None:

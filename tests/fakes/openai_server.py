@@ -72,7 +72,8 @@ call of the assistant message before it, and every call must be answered before 
 non-tool message. Such a rejection uses no scripted reply and is recorded in `.errors`.
 
 Inspect `.requests` (JSON bodies received), `.request_headers` (lower-cased names), `.errors`,
-`.pending` (replies left), and `wait_for_requests(n)`.
+`.pending` (replies left), `.peak_in_flight` (the most requests answered at the same time) and
+`wait_for_requests(n)`.
 
 Script mode, for running the `fsm-kernel` CLI in a subprocess::
 
@@ -532,6 +533,8 @@ class FakeOpenAIServer:
         self._headers: list[dict[str, str]] = []
         self._errors: list[str] = []
         self._ids = itertools.count(1)
+        self._in_flight = 0
+        self._peak_in_flight = 0
         self._stopping = threading.Event()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -626,6 +629,17 @@ class FakeOpenAIServer:
         """Replies not used yet."""
         with self._lock:
             return len(self._queue)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most chat-completion requests the server was answering at the same time."""
+        with self._lock:
+            return self._peak_in_flight
+
+    def _flight(self, step: int) -> None:
+        with self._lock:
+            self._in_flight += step
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
 
     def wait_for_requests(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Block until at least `count` requests arrived; TimeoutError otherwise."""
@@ -772,14 +786,18 @@ class _Handler(BaseHTTPRequestHandler):
             request: Any = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             request = None
-        reply = self.fake._answer(self.path, request, headers)
-        if reply.echo_auth:
-            reply = _with_credentials(reply, headers)
-        self.close_connection = not self.fake._keep_alive
-        if self.fake._wait(reply.delay) or reply.disconnect:
-            self.close_connection = True
-            return
-        self._send(reply)
+        self.fake._flight(+1)
+        try:
+            reply = self.fake._answer(self.path, request, headers)
+            if reply.echo_auth:
+                reply = _with_credentials(reply, headers)
+            self.close_connection = not self.fake._keep_alive
+            if self.fake._wait(reply.delay) or reply.disconnect:
+                self.close_connection = True
+                return
+            self._send(reply)
+        finally:
+            self.fake._flight(-1)
 
     def do_GET(self) -> None:
         self.close_connection = not self.fake._keep_alive
