@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
 from fsm_kernel.config import default_store_location
-from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.protocol import Event, EventStore, EventType, RunFilter, RunSummary
 from fsm_kernel.workflow.human import HumanAnswer
 
 if TYPE_CHECKING:
@@ -58,10 +58,21 @@ def register(sub: Any) -> None:
         metavar="N",
         help="show the N most recent runs (default 20)",
     )
+    p.add_argument(
+        "--top-level",
+        action="store_true",
+        help="leave out child runs (those a workflow.call or workflow.map state started); "
+        "otherwise each is listed under its parent, marked ↳",
+    )
     p.add_argument("--json", action="store_true")
     _store_flag(p)
     p.set_defaults(handler=cmd_runs_list)
-    p = rsub.add_parser("show", help="a run's iteration table and termination audit")
+    p = rsub.add_parser(
+        "show",
+        help="a run's iteration table and termination audit",
+        description="A run's iterations, how it ended, and the tree of its child runs "
+        "(workflow.call, workflow.map), each with its reason and answer.",
+    )
     p.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
     p.add_argument("--json", action="store_true")
     _store_flag(p)
@@ -138,11 +149,12 @@ def _open(args: argparse.Namespace) -> Any:
 def cmd_runs_list(args: argparse.Namespace) -> int:
     with _open(args) as store:
         # one more tells whether there are more
-        runs = store.list_runs(limit=args.limit + 1, waiting=args.waiting)
+        where = RunFilter(top_level=True) if args.top_level else None
+        runs = store.list_runs(limit=args.limit + 1, waiting=args.waiting, where=where)
     more = len(runs) > args.limit
-    runs = runs[: args.limit]
+    runs = _nested(runs[: args.limit])
     if args.json:
-        print(json.dumps([r.to_dict() for r in runs], ensure_ascii=False))
+        print(json.dumps([r.to_dict() for r, _ in runs], ensure_ascii=False))
         return EXIT_OK
     if not runs:
         print(
@@ -150,9 +162,10 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     print(f"{'RUN ID':36}  {'WORKFLOW':12}  {'STARTED':19}  {'ITER':>4}  {'STATUS':16}  GOAL")
-    for r in runs:
+    for r, depth in runs:
+        workflow = "  " * (depth - 1) + "↳ " + r.workflow if depth else r.workflow
         print(
-            f"{r.run_id:36}  {cut(r.workflow, 12):12}  "
+            f"{r.run_id:36}  {cut(workflow, 12):12}  "
             f"{r.started_at.strftime('%Y-%m-%d %H:%M:%S')}  {r.iterations:>4}  "
             f"{r.shown_status:16}  {cut(r.goal, 50)}"
         )
@@ -162,6 +175,64 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _nested(runs: list[RunSummary]) -> list[tuple[RunSummary, int]]:
+    """The page's runs, each child right under its parent when the parent is on the page
+    (children in the order they started), with its depth; the rest newest first."""
+    on_page = {r.run_id for r in runs}
+    children: dict[str, list[RunSummary]] = {}
+    for r in runs:
+        if r.parent_run_id in on_page:
+            children.setdefault(str(r.parent_run_id), []).append(r)
+    out: list[tuple[RunSummary, int]] = []
+
+    def add(run: RunSummary, depth: int) -> None:
+        out.append((run, depth))
+        for child in reversed(children.get(run.run_id, [])):  # the page is newest first
+            add(child, depth + 1)
+
+    for r in runs:
+        if r.parent_run_id not in on_page:
+            add(r, 1 if r.parent_run_id else 0)
+    return out
+
+
+def _child_tree(store: EventStore, events: list[Event], seen: set[str]) -> list[dict[str, Any]]:
+    """The child runs a run started (from its `child.started` events), each with its own."""
+    tree = []
+    for e in events:
+        if e.type != EventType.CHILD_STARTED:
+            continue
+        child_id = str(e.data.get("run_id"))
+        node: dict[str, Any] = {"run_id": child_id, "workflow": e.data.get("workflow")}
+        if "item" in e.data:
+            node["item"] = e.data["item"]
+        child_events = store.read(child_id) if child_id not in seen else []
+        seen.add(child_id)
+        if not child_events:
+            node.update(status="not started", reason=None, answer=None, children=[])
+        else:
+            audit = _audit(child_events)
+            node.update(
+                workflow=audit["workflow"],
+                status=audit["status"],
+                reason=audit["reason"],
+                answer=audit["answer"],
+                iterations=max(c.iteration for c in child_events),
+                children=_child_tree(store, child_events, seen),
+            )
+        tree.append(node)
+    return tree
+
+
+def _print_tree(nodes: list[dict[str, Any]], depth: int = 1) -> None:
+    for node in nodes:
+        item = f"item {node['item'] + 1}: " if "item" in node else ""
+        shown = node["reason"] or node["status"]
+        answer = f"  {cut(str(node['answer'] or ''), 60)}" if node.get("answer") else ""
+        print(f"{'  ' * depth}└─ {node['run_id']}  {item}{node['workflow']}  {shown}{answer}")
+        _print_tree(node["children"], depth + 1)
 
 
 def _audit(events: list[Event]) -> dict[str, Any]:
@@ -192,6 +263,7 @@ def _audit(events: list[Event]) -> dict[str, Any]:
         or bool(terminated and terminated.data.get("resumable")),
         "model": _model_line(started.get("settings") or {}),
         "events": len(events),
+        "parent_run_id": started.get("parent_run_id"),
     }
 
 
@@ -212,17 +284,25 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     with _open(args) as store:
         run_id = store.find_run(args.run_id)
         events = store.read(run_id)
+        children = _child_tree(store, events, {run_id})
     iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
     audit = _audit(events)
     if args.json:
         print(
             json.dumps(
-                {"run_id": run_id, "iterations": iterations, "termination": audit},
+                {
+                    "run_id": run_id,
+                    "iterations": iterations,
+                    "termination": audit,
+                    "children": children,
+                },
                 ensure_ascii=False,
             )
         )
         return EXIT_OK
     print(f"run {run_id}  workflow {audit['workflow']}  ({audit['events']} events)")
+    if audit["parent_run_id"]:
+        print(f"child of: {audit['parent_run_id']} (fsm-kernel runs show {audit['parent_run_id']})")
     if audit["model"]:
         print(f"model: {audit['model']}")
     print(f"goal: {cut(audit['goal'] or '', 150)}\n")
@@ -230,6 +310,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     for it in iterations:
         _print_iteration(it)
     _print_audit(run_id, audit)
+    if children:
+        print("\nchild runs:")
+        _print_tree(children)
     return EXIT_OK
 
 
