@@ -61,6 +61,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--run", metavar="RUN_ID", help="overlay a recorded run (an id or a prefix)")
     p.add_argument(
+        "--expand",
+        action="store_true",
+        help="draw each workflow a workflow.call or workflow.map state runs inside it, as a "
+        "cluster (dot, svg and png)",
+    )
+    p.add_argument(
         "--store",
         metavar="LOCATION",
         help="event store for --run (default FSM_KERNEL_STORE or .fsm-kernel/runs.db)",
@@ -97,13 +103,25 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     spec = _load_spec(args.workflow, overlay)
     if overlay is not None:
         _warn_mismatch(spec, overlay)
-    return _emit(spec, overlay, fmt, args.output)
+    if args.expand and fmt == "mermaid":
+        raise ConfigError("--expand draws dot, svg or png, not mermaid")
+    return _emit(spec, overlay, fmt, args.output, expand=args.expand)
 
 
-def _emit(spec: WorkflowSpec, overlay: RunOverlay | None, fmt: str, output: str | None) -> int:
+def _emit(
+    spec: WorkflowSpec,
+    overlay: RunOverlay | None,
+    fmt: str,
+    output: str | None,
+    *,
+    expand: bool = False,
+) -> int:
     from fsm_kernel.diagram import RENDER_FORMATS, render, to_dot, to_mermaid
 
-    text = to_mermaid(spec, overlay=overlay) if fmt == "mermaid" else to_dot(spec, overlay=overlay)
+    if fmt == "mermaid":
+        text = to_mermaid(spec, overlay=overlay)
+    else:
+        text = to_dot(spec, overlay=overlay, expand=expand)
     text = redact(text)  # a run's error text is drawn on the diagram
     if output is None:
         if fmt in RENDER_FORMATS:

@@ -29,6 +29,10 @@ __all__ = ["to_dot"]
 
 _FONT = "Helvetica"
 _FINAL_FILL = "#f5f7fa"
+_CALL_FILL = "#eaf2fc"
+"""A state that runs another workflow (workflow.call, workflow.map)."""
+_MAX_DEPTH = 4
+"""How deep --expand draws workflows that call workflows."""
 _START = "_start"  # state ids are snake_case starting with a letter, so these never clash
 _LEGEND = "_legend"
 
@@ -59,6 +63,8 @@ def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> di
     attrs = {"label": _state_label(spec, sid, overlay)}
     if spec.states[sid].final:
         attrs.update(peripheries="2", style="rounded,filled", fillcolor=_FINAL_FILL)
+    elif spec.states[sid].workflow:
+        attrs.update(style="rounded,filled,bold", fillcolor=_CALL_FILL)
     if overlay is None:
         return attrs
     if overlay.visits.get(sid, 0) == 0:
@@ -134,6 +140,12 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
         "[guard] → reason: the run ends with that termination reason",
         "the kernel may end any run with: " + ", ".join(KERNEL_REASONS),
     ]
+    if any(s.workflow for s in spec.states.values()):
+        rows.insert(
+            3,
+            "shaded, bold: a state that runs the workflow after ⇢ as child runs "
+            "(diagram --expand draws it inside)",
+        )
     if spec.catch_edges():
         rows.insert(
             3,
@@ -203,9 +215,44 @@ def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Dig
     )
 
 
-def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None, legend: bool = True) -> str:
+def _draw_called(g: graphviz.Digraph, spec: WorkflowSpec, prefix: str, depth: int) -> None:
+    """Each workflow `spec`'s states call, drawn as a cluster under the calling state: its
+    states and edges (ids prefixed by the caller's), entered by a dashed edge from the caller."""
+    from fsm_kernel.workflow.loader import find_workflow, load_workflow
+
+    for sid, state in spec.states.items():
+        if not state.workflow or depth > _MAX_DEPTH:
+            continue
+        child = load_workflow(
+            find_workflow(state.workflow, relative_to=spec.path), import_code=False, calls=False
+        )
+        inner = f"{prefix}{sid}__"
+        with g.subgraph(name=f"cluster_{inner}") as box:
+            how = "once per item" if state.action == "workflow.map" else "as a child run"
+            box.attr(
+                label=_font(f"{child.name} ({how})", size=10, color=SOFT, bold=True).join("<>"),
+                style="rounded,dashed",
+                color=SOFT,
+                labeljust="l",
+            )
+            for cid in child.states:
+                box.node(inner + cid, **_state_attrs(child, cid, None))
+            for source, target, indexes in _edge_groups(child):
+                box.edge(inner + source, inner + target, **_edge_attrs(child, indexes, None))
+            _draw_called(box, child, inner, depth + 1)
+        g.edge(prefix + sid, inner + child.initial, style="dashed", color=SOFT, arrowhead="empty")
+
+
+def to_dot(
+    spec: WorkflowSpec,
+    *,
+    overlay: RunOverlay | None = None,
+    legend: bool = True,
+    expand: bool = False,
+) -> str:
     """The workflow as Graphviz DOT text; the same spec (and overlay) gives the same bytes.
-    `legend=False` leaves the legend out (for a page that explains the notation itself)."""
+    `legend=False` leaves the legend out (for a page that explains the notation itself);
+    `expand=True` draws each workflow a state calls inside a cluster (see `_draw_called`)."""
     g = _new_digraph(spec, overlay)
     g.node(
         _START,
@@ -222,6 +269,8 @@ def to_dot(spec: WorkflowSpec, *, overlay: RunOverlay | None = None, legend: boo
     g.edge(_START, spec.initial, **entry)
     for source, target, indexes in _edge_groups(spec):
         g.edge(source, target, **_edge_attrs(spec, indexes, overlay))
+    if expand:
+        _draw_called(g, spec, "", 1)
     if not legend:
         return str(g.source)
     with g.subgraph(name="cluster_legend") as box:

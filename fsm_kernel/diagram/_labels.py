@@ -5,7 +5,14 @@ summary and the kernel's own termination reasons. Pure text; no graphviz.
 from __future__ import annotations
 
 from fsm_kernel.diagram._overlay import RunOverlay
-from fsm_kernel.workflow.spec import SUCCESS_REASONS, RetrySpec, TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.children import DEFAULT_CONCURRENCY
+from fsm_kernel.workflow.spec import (
+    SUCCESS_REASONS,
+    RetrySpec,
+    StateSpec,
+    TransitionSpec,
+    WorkflowSpec,
+)
 
 __all__ = [
     "CAUGHT",
@@ -130,6 +137,8 @@ def state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
     lines = []
     if state.action:
         lines.append(state.action)
+    if state.workflow:
+        lines.append(_call_hint(state))
     if state.prompt:
         lines.append(f'prompt: "{short(state.prompt, HINT_MAX - 10)}"')
     if state.tools is not None:
@@ -141,6 +150,17 @@ def state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
     if state.retry is not None:
         lines.append(_retry_hint(state.retry))
     return lines
+
+
+def _call_hint(state: StateSpec) -> str:
+    """`⇢ react` (a call), `⇢ react × output.steps, 3 at once` (a map)."""
+    if state.action != "workflow.map":
+        return f"⇢ {short(str(state.workflow), HINT_MAX - 2)}"
+    at_once = state.max_concurrency or DEFAULT_CONCURRENCY
+    text = f"⇢ {state.workflow} × {state.items}, {at_once} at once"
+    if state.fail_fast:
+        text += ", fail fast"
+    return short(text, HINT_MAX)
 
 
 def _retry_hint(retry: RetrySpec) -> str:

@@ -419,3 +419,32 @@ def test_a_child_that_waits_for_a_person_makes_its_parent_wait(
 
     replayed = cli(capsys, "replay", result["run_id"], "--store", store, "--json").json()
     assert replayed["identical"] is True
+
+
+def test_diagrams_draw_a_calling_state_and_expand_what_it_calls(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    plain = cli(capsys, "diagram", DATA / "fanout.yaml")
+    assert plain.code == 0
+    work = next(line for line in plain.out.splitlines() if line.strip().startswith("work ["))
+    assert 'fillcolor="#eaf2fc"' in work and "⇢ step.yaml × output.steps, 3 at once" in work
+    assert "cluster_work__" not in plain.out
+
+    expanded = cli(capsys, "diagram", DATA / "fanout.yaml", "--expand")
+    assert "subgraph cluster_work__ {" in expanded.out
+    assert "step (once per item)" in expanded.out
+    assert "work__answer -> work__terminate" in expanded.out
+    assert "work -> work__answer [arrowhead=empty" in expanded.out
+
+    nested = tmp_path / "outer.yaml"  # a call of a workflow that maps: clusters nest
+    nested.write_text((DATA / "delegate.yaml").read_text().replace(
+        "workflow: step.yaml", f"workflow: {DATA / 'fanout.yaml'}"
+    ))  # fmt: skip
+    deep = cli(capsys, "diagram", nested, "--expand", "-o", tmp_path / "outer.svg")
+    assert deep.code == 0, deep.err
+    svg = (tmp_path / "outer.svg").read_text()
+    assert "hand_over__work__answer" in svg and "fanout (as a child run)" in svg
+
+    refused = cli(capsys, "diagram", DATA / "fanout.yaml", "--expand", "--format", "mermaid")
+    assert refused.code == 2
+    assert "--expand draws dot, svg or png, not mermaid" in refused.err
