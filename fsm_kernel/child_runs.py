@@ -20,12 +20,12 @@ from fsm_kernel.errors import RunNotFoundError
 from fsm_kernel.kernel import Kernel, Watcher
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, Usage
 from fsm_kernel.replay import RecordedRun, resume_run
-from fsm_kernel.workflow.children import ChildRequest, ChildResult
+from fsm_kernel.workflow.children import ChildRequest, ChildResult, bounded_limits
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
-from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+from fsm_kernel.workflow.spec import WorkflowSpec
 
-__all__ = ["LiveChildren", "bounded_limits"]
+__all__ = ["LiveChildren"]
 
 _INHERITED = (
     "model",
@@ -38,19 +38,6 @@ _INHERITED = (
     "workspace",
 )
 """The parent's options a child run gets (the server it talks to, where it works)."""
-
-
-def bounded_limits(own: Limits, iterations: int | None, seconds: float | None) -> Limits:
-    """A child's limits: its workflow's own, capped by what its parent has left (0 in a
-    limit means none, so the parent's remainder replaces it)."""
-    updates: dict[str, Any] = {}
-    if iterations is not None:
-        cap = own.max_iterations
-        updates["max_iterations"] = min(cap, iterations) if cap else iterations
-    if seconds is not None:
-        cap_s = own.timeout_seconds
-        updates["timeout_seconds"] = min(cap_s, seconds) if cap_s else seconds
-    return own.model_copy(update=updates) if updates else own
 
 
 class LiveChildren:

@@ -40,8 +40,8 @@ from fsm_kernel.protocol import (
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
-from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.spec import Limits
 
@@ -49,8 +49,8 @@ __all__ = [
     "RecordedChatModel",
     "RecordedRun",
     "RecordedToolExecutor",
-    "ReplayReport",
     "ReplayChildren",
+    "ReplayReport",
     "ReplayStep",
     "recorded_conversation",
     "replay_run",

@@ -351,9 +351,7 @@ def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
         params.append(where.status)
     if where.text:
         pattern = "%" + like_escape(where.text) + "%"
-        clauses.append(
-            f"(run_id {d.like} {p} ESCAPE '\\' OR goal {d.like} {p} ESCAPE '\\')"
-        )
+        clauses.append(f"(run_id {d.like} {p} ESCAPE '\\' OR goal {d.like} {p} ESCAPE '\\')")
         params += [pattern, pattern]
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
 
@@ -376,9 +374,7 @@ def runs_query(
         sql += (" AND " if sql else " WHERE ") + keyset
         params += list(cursor)
     order = "DESC" if older else "ASC"
-    sql = (
-        f"{d.sql.select_runs}{sql} ORDER BY started_at {order}, run_id {order} LIMIT {d.param}"
-    )
+    sql = f"{d.sql.select_runs}{sql} ORDER BY started_at {order}, run_id {order} LIMIT {d.param}"
     return sql, [*params, limit]
 
 

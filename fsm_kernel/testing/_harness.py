@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,10 +21,11 @@ from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, ToolExecutor, ToolResult
 from fsm_kernel.testing._models import FunctionChatModel, ScriptedChatModel
 from fsm_kernel.testing._replies import ReplyLike, as_completion, tool_call
+from fsm_kernel.workflow.children import ChildRequest, ChildResult, ChildRunner, bounded_limits
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, compile_workflow
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel
-from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
@@ -185,6 +187,7 @@ class WorkflowHarness:
         store: EventStore | None = None,
         human: HumanChannel | None = None,
         state_models: Mapping[str, ChatModel] | None = None,
+        children: ChildRunner | None = None,
     ) -> RunResult:
         """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
 
@@ -201,6 +204,10 @@ class WorkflowHarness:
                 default: a run that asks suspends (its result's `status` is "waiting").
             state_models: a model per state id, for states with their own `agent:` block
                 (default: every state asks `model`).
+            children: runs the child runs of workflow.call / workflow.map states (default:
+                real runs of the called workflows through the Kernel, asking the same `model`,
+                with the same tools, workspace, store and `human`, one after another in the
+                order they start).
 
         A state's `retry:` runs its action again at once: the backoff is not waited for.
 
@@ -219,6 +226,7 @@ class WorkflowHarness:
                 store=store,
                 human=human,
                 state_models=state_models,
+                children=children,
             )
         )
 
@@ -234,11 +242,14 @@ class WorkflowHarness:
         store: EventStore | None = None,
         human: HumanChannel | None = None,
         state_models: Mapping[str, ChatModel] | None = None,
+        children: ChildRunner | None = None,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
         spec = self.spec
         with _workspace(workspace) as root:
             registry, offered, approval = _build_tools(spec, tools, root)
+            if children is None:
+                children = _HarnessChildren(model, tools, root, store, human)
             kernel = Kernel(
                 compile_workflow(spec),
                 model=model,
@@ -251,6 +262,7 @@ class WorkflowHarness:
                 approval_required=approval,
                 state_models=state_models,
                 sleep=_no_wait,  # a test does not wait out a retry's backoff
+                children=children,
             )
             result = await kernel.run(prompt)
         for event in result.events:
@@ -259,6 +271,61 @@ class WorkflowHarness:
         if isinstance(model, ScriptedChatModel | FunctionChatModel) and model.failure is not None:
             raise model.failure
         return result
+
+
+_IN_CHILD: ContextVar[bool] = ContextVar("fsm_kernel_harness_child", default=False)
+
+
+class _HarnessChildren:
+    """A harness run's child runs: real runs of the called workflows, asking the run's model
+    (one child at a time, so a scripted model's replies go to them in the order they start)."""
+
+    def __init__(
+        self,
+        model: ChatModel,
+        tools: ToolExecutor | Iterable[Callable[..., Any]] | None,
+        root: Path,
+        store: EventStore | None,
+        human: HumanChannel | None,
+    ) -> None:
+        self.model, self.tools, self.root, self.store, self.human = (
+            model,
+            tools,
+            root,
+            store,
+            human,
+        )
+        self._one_at_a_time = asyncio.Lock()
+
+    async def run(self, request: ChildRequest) -> ChildResult:
+        spec = load_workflow(find_workflow(request.workflow, relative_to=request.caller))
+        registry, offered, approval = _build_tools(spec, self.tools, self.root)
+        kernel = Kernel(
+            compile_workflow(spec),
+            model=self.model,
+            tools=registry,
+            store=self.store,
+            system_prompt=spec.system_prompt,
+            tool_names=offered,
+            human=self.human,
+            approval_required=approval,
+            sleep=_no_wait,
+            children=self,
+        )
+        limits = bounded_limits(spec.limits, request.max_iterations, request.timeout_seconds)
+        nested = _IN_CHILD.get()  # a child's own children run inside its turn
+        async with contextlib.nullcontext() if nested else self._one_at_a_time:
+            token = _IN_CHILD.set(True)
+            try:
+                result = await kernel.run(
+                    request.prompt,
+                    run_id=request.run_id,
+                    limits=limits,
+                    parent_run_id=request.parent_run_id,
+                )
+            finally:
+                _IN_CHILD.reset(token)
+        return result.as_child()
 
 
 async def _no_wait(_seconds: float) -> None:

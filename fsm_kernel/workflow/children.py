@@ -24,6 +24,7 @@ from fsm_kernel.errors import FsmKernelError
 from fsm_kernel.protocol import EventType, Message, ToolCall, Usage, new_id
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
+from fsm_kernel.workflow.spec import Limits
 
 __all__ = [
     "CALL_ACTIONS",
@@ -31,6 +32,7 @@ __all__ = [
     "ChildRequest",
     "ChildResult",
     "ChildRunner",
+    "bounded_limits",
     "child_failed",
     "child_succeeded",
     "render",
@@ -128,6 +130,19 @@ class ChildRunner(Protocol):
     """Runs child runs for a parent: starts, resumes or reuses the run `request.run_id`."""
 
     async def run(self, request: ChildRequest) -> ChildResult: ...
+
+
+def bounded_limits(own: Limits, iterations: int | None, seconds: float | None) -> Limits:
+    """A child's limits: its workflow's own, capped by what its parent has left (0 in a
+    limit means none, so the parent's remainder replaces it)."""
+    updates: dict[str, Any] = {}
+    if iterations is not None:
+        cap = own.max_iterations
+        updates["max_iterations"] = min(cap, iterations) if cap else iterations
+    if seconds is not None:
+        cap_s = own.timeout_seconds
+        updates["timeout_seconds"] = min(cap_s, seconds) if cap_s else seconds
+    return own.model_copy(update=updates) if updates else own
 
 
 # --- templates ---------------------------------------------------------------------------
@@ -325,7 +340,9 @@ async def workflow_map(ctx: RunContext) -> None:
     spec = ctx.state_spec
     items = _items(ctx, str(spec.items))
     template = spec.input or "{item}"
-    prompts = [render(template, ctx, {"item": item, "index": i + 1}) for i, item in enumerate(items)]
+    prompts = [
+        render(template, ctx, {"item": item, "index": i + 1}) for i, item in enumerate(items)
+    ]
     ids = [_next_child_id(ctx) for _ in items]
     for i, (run_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
         _started(ctx, run_id, prompt, i)
@@ -372,9 +389,7 @@ async def workflow_map(ctx: RunContext) -> None:
     ordered = [results[i] for i in range(len(items))]
     _absorb(ctx, ordered)
     _wait_for(ctx, ordered)
-    lines = [
-        f"{i + 1}. {prompts[i]}\n   → {_shown(result)}" for i, result in enumerate(ordered)
-    ]
+    lines = [f"{i + 1}. {prompts[i]}\n   → {_shown(result)}" for i, result in enumerate(ordered)]
     message = Message.user(
         f"The workflow {spec.workflow!r} ran once per item ({len(ordered)} items):\n"
         + "\n".join(lines)

@@ -335,4 +335,6 @@ def find_workflow(ref: str | Path, *, relative_to: str | Path | None = None) -> 
         if candidate.is_file():
             return candidate
     names = ", ".join(stock_workflow_names()) or "none"
-    raise WorkflowValidationError(f"{ref}: no such workflow file or stock workflow (stock: {names})")
+    raise WorkflowValidationError(
+        f"{ref}: no such workflow file or stock workflow (stock: {names})"
+    )

@@ -92,11 +92,15 @@ def test_call_answers_with_its_child_and_links_it(
         (child,) = [r for r in runs.values() if r.run_id != parent.run_id]
         log = events.read(parent.run_id)
     assert parent.parent_run_id is None
-    assert child.parent_run_id == parent.run_id and child.workflow == "step"
+    assert child.parent_run_id == parent.run_id
+    assert child.workflow == "step"
     started = [e.data for e in log if e.type is EventType.CHILD_STARTED]
     finished = [e.data for e in log if e.type is EventType.CHILD_FINISHED]
-    assert started == [{"run_id": child.run_id, "workflow": "step.yaml", "input": "Please do: plant a tree"}]
-    assert finished[0]["reason"] == "final_answer" and finished[0]["ok"] is True
+    assert started == [
+        {"run_id": child.run_id, "workflow": "step.yaml", "input": "Please do: plant a tree"}
+    ]
+    assert finished[0]["reason"] == "final_answer"
+    assert finished[0]["ok"] is True
     types = [e.type for e in log]
     assert types.index(EventType.CHILD_STARTED) < types.index(EventType.CHILD_FINISHED)
 
@@ -106,10 +110,12 @@ def test_call_answers_with_its_child_and_links_it(
     assert f"child of: {parent.run_id}" in child_shown.out
     listed = cli(capsys, "runs", "list", "--store", store)
     lines = listed.out.splitlines()[1:]
-    assert lines[0].startswith(parent.run_id) and lines[1].startswith(child.run_id)
+    assert lines[0].startswith(parent.run_id)
+    assert lines[1].startswith(child.run_id)
     assert "↳ step" in lines[1]
     top = cli(capsys, "runs", "list", "--top-level", "--store", store)
-    assert child.run_id not in top.out and parent.run_id in top.out
+    assert child.run_id not in top.out
+    assert parent.run_id in top.out
 
     replayed = cli(capsys, "replay", parent.run_id, "--store", store, "--json")
     assert replayed.code == 0, replayed.out
@@ -163,7 +169,8 @@ def test_a_map_of_ten_items_runs_at_most_three_children_at_once(
     assert result["usage"]["total_tokens"] == 12 * 15
 
     replayed = cli(capsys, "replay", result["run_id"], "--store", store, "--json").json()
-    assert replayed["identical"] is True and len(replayed["children"]) == 10
+    assert replayed["identical"] is True
+    assert len(replayed["children"]) == 10
 
 
 def test_one_failed_item_does_not_cancel_the_others_unless_fail_fast(
@@ -212,7 +219,9 @@ def test_children_spend_the_parents_iteration_budget(
     )  # fmt: skip
     parent = tmp_path / "parent.yaml"
     parent.write_text(
-        (DATA / "delegate.yaml").read_text().replace("workflow: step.yaml", "workflow: looping.yaml")
+        (DATA / "delegate.yaml")
+        .read_text()
+        .replace("workflow: step.yaml", "workflow: looping.yaml")
         + "limits:\n  max_iterations: 3\n"
     )
     server.enqueue(
@@ -220,7 +229,9 @@ def test_children_spend_the_parents_iteration_budget(
           for i in range(3)]
     )  # fmt: skip
 
-    done = run_cli(capsys, server, "run", parent, "-p", "go", "--store", tmp_path / "r.db", "--json")
+    done = run_cli(
+        capsys, server, "run", parent, "-p", "go", "--store", tmp_path / "r.db", "--json"
+    )
 
     assert len(server.requests) == 3  # the child got what the parent had left: 3 model calls
     assert done.json()["termination_reason"] == "delegation_failed"
@@ -286,7 +297,8 @@ def test_a_crash_inside_a_child_is_finished_by_resuming_the_parent(
         runs = events.list_runs()
     (top,) = [r for r in runs if r.parent_run_id is None]
     (kid,) = [r for r in runs if r.parent_run_id == top.run_id]
-    assert top.status == "running" and kid.status == "running"
+    assert top.status == "running"
+    assert kid.status == "running"
 
     block.unlink()
     server.enqueue(text_reply("finished after the crash"))
@@ -384,7 +396,9 @@ def test_a_child_that_waits_for_a_person_makes_its_parent_wait(
     )  # fmt: skip
     parent = tmp_path / "parent.yaml"
     parent.write_text(
-        (DATA / "delegate.yaml").read_text().replace("workflow: step.yaml", "workflow: careful.yaml")
+        (DATA / "delegate.yaml")
+        .read_text()
+        .replace("workflow: step.yaml", "workflow: careful.yaml")
     )
     store = tmp_path / "runs.db"
     server.enqueue(tool_reply(call("datetime", {}, id="t1")))
@@ -400,7 +414,8 @@ def test_a_child_that_waits_for_a_person_makes_its_parent_wait(
     assert result["waiting_for"]["child_run_id"] == kid.run_id
     assert result["waiting_for"]["tool_call"]["name"] == "datetime"
     listed = cli(capsys, "runs", "list", "--waiting", "--top-level", "--store", store)
-    assert result["run_id"] in listed.out and kid.run_id not in listed.out
+    assert result["run_id"] in listed.out
+    assert kid.run_id not in listed.out
 
     server.enqueue(text_reply("It is noon."))
     done = cli(
@@ -413,7 +428,8 @@ def test_a_child_that_waits_for_a_person_makes_its_parent_wait(
         kid_log = events.read(kid.run_id)
         assert {r.status for r in events.list_runs()} == {"ended"}
     answered = [e.data for e in kid_log if e.type is EventType.HUMAN_ANSWERED]
-    assert answered[0]["approved"] is True and answered[0]["by"] == "ann"
+    assert answered[0]["approved"] is True
+    assert answered[0]["by"] == "ann"
     tool = next(e.data for e in kid_log if e.type is EventType.TOOL_FINISHED)
     assert tool["result"]["is_error"] is False
 
@@ -427,7 +443,8 @@ def test_diagrams_draw_a_calling_state_and_expand_what_it_calls(
     plain = cli(capsys, "diagram", DATA / "fanout.yaml")
     assert plain.code == 0
     work = next(line for line in plain.out.splitlines() if line.strip().startswith("work ["))
-    assert 'fillcolor="#eaf2fc"' in work and "⇢ step.yaml × output.steps, 3 at once" in work
+    assert 'fillcolor="#eaf2fc"' in work
+    assert "⇢ step.yaml × output.steps, 3 at once" in work
     assert "cluster_work__" not in plain.out
 
     expanded = cli(capsys, "diagram", DATA / "fanout.yaml", "--expand")
@@ -443,7 +460,8 @@ def test_diagrams_draw_a_calling_state_and_expand_what_it_calls(
     deep = cli(capsys, "diagram", nested, "--expand", "-o", tmp_path / "outer.svg")
     assert deep.code == 0, deep.err
     svg = (tmp_path / "outer.svg").read_text()
-    assert "hand_over__work__answer" in svg and "fanout (as a child run)" in svg
+    assert "hand_over__work__answer" in svg
+    assert "fanout (as a child run)" in svg
 
     refused = cli(capsys, "diagram", DATA / "fanout.yaml", "--expand", "--format", "mermaid")
     assert refused.code == 2

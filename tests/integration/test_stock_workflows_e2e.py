@@ -4,6 +4,7 @@ on loopback), the real kernel and the built-in tools on a temporary workspace.""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,31 +88,31 @@ def test_react_reasons_acts_and_checks_its_answer(
     server.assert_complete()
 
 
-def test_plan_execute_replans_after_a_failing_tool(
+def test_plan_execute_runs_each_step_as_a_react_child_run(
     server: FakeOpenAIServer, workspace: Path
 ) -> None:
     server.enqueue(
-        text_reply("1. Read notes.txt.\n2. Answer."),
-        tool_reply(call("read_file", {"path": "notes.txt"}, id="c1")),
-        text_reply("1. List the folder.\n2. Read the file that is there.\n3. Answer."),
-        tool_reply(call("read_file", {"path": "answer.txt"}, id="c2")),
+        text_reply(json.dumps({"steps": ["Read answer.txt."]})),
+        text_reply("I should read answer.txt."),
+        tool_reply(call("read_file", {"path": "answer.txt"}, id="c1")),
+        text_reply("I have it."),
+        text_reply("answer.txt holds forty-two."),
+        text_reply("answer.txt holds forty-two."),
         text_reply("The file says forty-two."),
     )
-    result = run_over_http("plan_execute", server, "What do the notes say?", workspace=workspace)
+    result = run_over_http("plan_execute", server, "What does the file say?", workspace=workspace)
     assert (result.termination_reason, result.response) == (
         "final_answer",
         "The file says forty-two.",
     )
-    assert [(r.call.name, r.result.is_error) for r in result.tool_calls] == [
-        ("read_file", True),
-        ("read_file", False),
-    ]
     requests = server.requests
-    assert len(requests) == 5
+    assert len(requests) == 7
     assert "tools" not in requests[0]
-    assert "tools" not in requests[2]  # the re-planning call
-    assert last_content(requests[2]).startswith("A step failed")
-    assert "does not exist" in requests[2]["messages"][-2]["content"]  # it sees the tool error
+    assert requests[0]["response_format"]["type"] == "json_schema"  # the plan is JSON
+    assert "read_file" in tool_names(requests[2])  # the react child's think state
+    assert "Your part is step 1: Read answer.txt." in requests[1]["messages"][1]["content"]
+    assert "tools" not in requests[6]
+    assert "→ answer.txt holds forty-two." in requests[6]["messages"][-2]["content"]
     server.assert_complete()
 
 

@@ -4,6 +4,8 @@ critique) never becomes the run's response, whatever the iteration cap cuts it s
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +291,7 @@ def test_reflect_cut_short_after_a_pass_answers_with_the_approved_draft() -> Non
 
 
 def test_plan_execute_cut_short_after_planning_does_not_answer_with_the_plan() -> None:
-    model = ScriptedChatModel(["1. read a.txt\n2. answer"])
+    model = ScriptedChatModel([json.dumps({"steps": ["read a.txt"]})])
 
     result = PLAN_EXECUTE.run("What is in a.txt?", model=model, limits={"max_iterations": 1})
 
@@ -297,16 +299,13 @@ def test_plan_execute_cut_short_after_planning_does_not_answer_with_the_plan() -
     model.assert_complete()
 
 
-def test_plan_execute_cut_short_after_replanning_does_not_answer_with_the_new_plan() -> None:
-    model = ScriptedChatModel(
-        ["1. read a.txt\n2. answer", call("read_file", {"path": "a.txt"}), "1. list the folder"]
-    )
+def test_plan_execute_cut_short_in_a_step_does_not_answer_with_the_plan() -> None:
+    model = ScriptedChatModel([json.dumps({"steps": ["read a.txt"]}), "I should read a.txt."])
 
-    result = PLAN_EXECUTE.run("What is in a.txt?", model=model, limits={"max_iterations": 3})
+    result = PLAN_EXECUTE.run("What is in a.txt?", model=model, limits={"max_iterations": 2})
 
     assert result.termination_reason == "max_iterations"
     assert result.response == ""
-    assert model.requests[2].last_message.content.startswith("A step failed")
     model.assert_complete()
 
 

@@ -283,14 +283,12 @@ STOCK_CASES = [
 
 def stock_script(workflow: str, steps: list[Completion], reason: str) -> list[Completion | str]:
     """The replies `workflow` asks for around `steps` (its tool-calling replies, in order): react
-    reasons before each (no tools), plan_execute plans first and re-plans after a failed step. A
-    malformed reply is retried in the same state, with nothing in between."""
-    first = {"react": ["I will look."], "plan_execute": ["1. Look."]}.get(workflow, [])
+    reasons before each (no tools). A malformed reply is retried in the same state, with nothing
+    in between."""
+    first = {"react": ["I will look."]}.get(workflow, [])
     between: list[str] = []
     if workflow == "react" and reason != "malformed_output":
         between = ["Look again."]
-    if workflow == "plan_execute" and reason == "tool_failures":
-        between = ["1. Try another file."]
     replies: list[Completion | str] = list(first)
     for i, step in enumerate(steps):
         replies += between if i else []
@@ -298,7 +296,7 @@ def stock_script(workflow: str, steps: list[Completion], reason: str) -> list[Co
     return replies
 
 
-@pytest.mark.parametrize("workflow", ["default", "react", "plan_execute", "reflect"])
+@pytest.mark.parametrize("workflow", ["default", "react", "reflect"])
 @pytest.mark.parametrize(("steps", "reason"), STOCK_CASES)
 def test_stock_workflows_end_through_their_own_edge(
     workflow: str, steps: list[Completion], reason: str, tmp_path: Path

@@ -1,51 +1,54 @@
-"""plan_execute.yaml transition by transition, and scripted runs that re-plan."""
+"""plan_execute.yaml transition by transition, and scripted runs: the plan is structured output,
+each step a react child run, a failed step re-plans the rest."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_kernel.testing import (
-    ScriptedChatModel,
-    WorkflowHarness,
-    bad_call,
-    call,
-)
+from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
+from fsm_kernel.workflow.children import ChildResult
 from tests.workflows._table import check_case, check_coverage
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "plan_execute.yaml"
 HARNESS = WorkflowHarness(WORKFLOW)
-MALFORMED = {"last_reply": bad_call("read_file"), "malformed_reason": "bad JSON"}
-FAILED = [("read_file", "'a.txt' does not exist", True)]
+PLAN = json.dumps({"steps": ["read a.txt", "say what it holds"]})
+NOT_A_PLAN = {"last_reply": "1. read a.txt", "malformed_reason": "not JSON"}
+
+
+def child(ok: bool) -> ChildResult:
+    return ChildResult(
+        run_id="c1",
+        workflow="react",
+        reason="final_answer" if ok else "tool_failures",
+        ok=ok,
+        answer="found it" if ok else "",
+    )
+
 
 CASES = [
-    pytest.param("plan", {"last_reply": "1. read a.txt\n2. answer"}, "execute", None,
-                 id="plan-then-execute"),
-    pytest.param("execute", {"last_reply": call("read_file", {"path": "a"})}, "act", None,
-                 id="tool-call-acts"),
-    pytest.param("execute", {**MALFORMED, "malformed_streak": 1}, "execute", None,
-                 id="malformed-retries"),
-    pytest.param("execute", {**MALFORMED, "malformed_streak": 3}, "terminate",
-                 "malformed_output", id="malformed-budget-spent"),
-    pytest.param("execute", {"last_reply": "It is 42."}, "terminate", "final_answer",
-                 id="text-answers"),
-    pytest.param("act", {}, "evaluate", None, id="act-then-evaluate"),
-    pytest.param("evaluate", {"done_answer": "42"}, "terminate", "done", id="done"),
-    pytest.param("evaluate", {"fatal_error": "db: gone"}, "terminate", "fatal_tool_error",
-                 id="fatal"),
-    pytest.param("evaluate", {"tool_results": FAILED, "failure_streak": 3}, "terminate",
-                 "tool_failures", id="failure-streak-beats-replanning"),
-    pytest.param("evaluate", {"repeat_count": 3}, "terminate", "no_progress", id="repeats"),
-    pytest.param("evaluate", {"tool_results": FAILED, "failure_streak": 1, "iteration": 15},
-                 "terminate", "max_iterations", id="cap-beats-replanning"),
-    pytest.param("evaluate", {"tool_results": FAILED, "failure_streak": 1}, "replan", None,
-                 id="failed-step-replans"),
-    pytest.param("evaluate", {"tool_results": [("read_file", "42", False)]}, "execute", None,
-                 id="good-step-continues"),
-    pytest.param("replan", {"last_reply": "1. list the folder\n2. answer"}, "execute", None,
-                 id="replan-then-execute"),
+    pytest.param("plan", {"last_reply": PLAN}, "execute", None, id="plan-then-execute"),
+    pytest.param("plan", {**NOT_A_PLAN, "malformed_streak": 1}, "plan", None,
+                 id="not-a-plan-asks-again"),
+    pytest.param("plan", {**NOT_A_PLAN, "malformed_streak": 3}, "terminate", "malformed_output",
+                 id="never-a-plan"),
+    pytest.param("execute", {"children": [child(True), child(True)]}, "answer", None,
+                 id="every-step-succeeded"),
+    pytest.param("execute", {"children": [child(True), child(False)], "iteration": 40},
+                 "terminate", "max_iterations", id="budget-spent-no-replan"),
+    pytest.param("execute", {"children": [child(True), child(False)]}, "replan", None,
+                 id="a-failed-step-replans"),
+    pytest.param("replan", {"last_reply": PLAN}, "execute", None, id="replan-then-execute"),
+    pytest.param("replan", {**NOT_A_PLAN, "malformed_streak": 1}, "replan", None,
+                 id="not-a-new-plan-asks-again"),
+    pytest.param("replan", {**NOT_A_PLAN, "malformed_streak": 3}, "terminate",
+                 "malformed_output", id="never-a-new-plan"),
+    pytest.param("answer", {"last_reply": "It says 42."}, "terminate", "final_answer",
+                 id="answers"),
 ]  # fmt: skip
 
 
@@ -58,37 +61,74 @@ def test_every_declared_transition_has_a_case() -> None:
     check_coverage(WORKFLOW, CASES)
 
 
-def test_run_replans_after_a_failed_step(tmp_path: Path) -> None:
+def react_step(path: str, answer: str) -> list[Any]:
+    """What one react child is scripted to say: a thought, a read_file call, a thought, then
+    text (its think state) and the checked answer."""
+    return [
+        "I should read the file.",
+        call("read_file", {"path": path}),
+        "I have what I need.",
+        answer,
+        answer,
+    ]
+
+
+def test_each_step_runs_as_a_react_child_and_the_answer_comes_from_their_results(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a.txt").write_text("forty-two", encoding="utf-8")
+    model = ScriptedChatModel(
+        [
+            json.dumps({"steps": ["read a.txt", "say what it holds"]}),
+            *react_step("a.txt", "a.txt holds forty-two."),
+            "I know it already.",
+            "It is forty-two.",
+            "It is forty-two.",
+            "The file says forty-two.",
+        ]
+    )
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        result = HARNESS.run(
+            "What does the file say?", model=model, workspace=tmp_path, store=store
+        )
+        children = [r for r in store.list_runs() if r.parent_run_id == result.run_id]
+
+    assert (result.termination_reason, result.response) == (
+        "final_answer",
+        "The file says forty-two.",
+    )
+    model.assert_complete()
+    assert [c.workflow for c in children] == ["react", "react"]
+    plan_request = model.requests[0]
+    assert plan_request.tools == ()
+    first_step = model.requests[1].messages[1].content  # after react's system prompt
+    assert first_step.startswith("The overall task: What does the file say?\n")
+    assert 'The plan: ["read a.txt", "say what it holds"]' in first_step
+    assert "Your part is step 1: read a.txt" in first_step
+    answer_request = model.requests[-1]
+    results = answer_request.messages[-2].content
+    assert results.startswith("The workflow 'react' ran once per item (2 items):")
+    assert "→ a.txt holds forty-two." in results and "→ It is forty-two." in results
+
+
+def test_a_failed_step_replans_the_rest(tmp_path: Path) -> None:
     (tmp_path / "b.txt").write_text("forty-two", encoding="utf-8")
+    missing = call("read_file", {"path": "a.txt"})
     model = ScriptedChatModel(
         [
-            "1. read a.txt\n2. answer",
-            call("read_file", {"path": "a.txt"}),
-            "1. read b.txt instead\n2. answer",
-            call("read_file", {"path": "b.txt"}),
-            "b.txt says forty-two.",
+            json.dumps({"steps": ["read a.txt"]}),
+            # the react child fails three times in a row: tool_failures
+            "Read it.", missing, "Again.", missing, "Once more.", missing,
+            json.dumps({"steps": ["read b.txt instead"]}),
+            *react_step("b.txt", "b.txt holds forty-two."),
+            "The file says forty-two.",
         ]
-    )
+    )  # fmt: skip
     result = HARNESS.run("What does the file say?", model=model, workspace=tmp_path)
-    assert (result.termination_reason, result.response) == ("final_answer", "b.txt says forty-two.")
-    assert [r.result.is_error for r in result.tool_calls] == [True, False]
-    assert model.requests[0].tools == model.requests[2].tools == ()  # planning offers no tools
-    assert model.requests[2].last_message.content.startswith("A step failed")
-    model.assert_complete()
 
-
-def test_run_stops_after_too_many_failures_in_a_row() -> None:
-    model = ScriptedChatModel(
-        [
-            "plan",
-            call("read_file", {"path": "a.txt"}),
-            "new plan",
-            call("read_file", {"path": "b.txt"}),
-            "newer plan",
-            call("read_file", {"path": "c.txt"}),
-        ]
-    )
-    result = HARNESS.run("read it", model=model)
-    assert result.termination_reason == "tool_failures"
-    assert len(result.tool_calls) == 3
+    assert result.termination_reason == "final_answer"
     model.assert_complete()
+    replan = next(r for r in model.requests if "A step failed" in r.last_message.content)
+    assert "(failed: tool_failures)" in replan.messages[-2].content
+    states = [t.source for t in HARNESS.fired[-5:]]
+    assert states == ["plan", "execute", "replan", "execute", "answer"]
