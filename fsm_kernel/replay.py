@@ -576,11 +576,13 @@ async def _replay(
     run = RecordedRun.load(store, run_id)
     children = ReplayChildren(store)
     model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
-    recorded = run.config().get("limits")
+    config = run.config()
+    recorded = config.get("limits")
     settings = run.started.data.get("settings", {})
     kernel = Kernel(
         workflow,
         model=model,
+        system_prompt=str(config.get("system_prompt") or ""),  # the requests as they were made
         tools=RecordedToolExecutor(run.results),
         tool_names=settings.get("tools"),
         limits=limits or (Limits.model_validate(recorded) if recorded else None),

@@ -32,7 +32,7 @@ from fsm_kernel.workflow.children import (
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded
-from fsm_kernel.workflow.window import estimate_tokens, fit
+from fsm_kernel.workflow.window import Summary, estimate_tokens, fit, summarized, to_condense
 
 __all__ = [
     "BUILTIN_ACTIONS",
@@ -176,7 +176,7 @@ async def agent_think(ctx: RunContext) -> None:
         ctx.session.add(message)
         ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
     offered = ctx.offered_tools()
-    messages = _within_window(ctx, ctx.messages_for_model())
+    messages = await _within_window(ctx, ctx.messages_for_model())
     options = _request_options(ctx)
     if not retrying:
         ctx.iteration += 1
@@ -200,7 +200,7 @@ async def agent_think(ctx: RunContext) -> None:
     apply_completion(ctx, completion, {t.name for t in offered})
 
 
-def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
+async def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
     """The request made to fit the workflow's `context:` window (recorded when changed)."""
     window = ctx.context_window
     if window is None:
@@ -209,11 +209,73 @@ def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
     reported = ctx.last_completion.usage.prompt_tokens if ctx.last_completion else 0
     if reported > 0 and ctx.last_request_estimate > 0:
         scale = min(max(reported / ctx.last_request_estimate, 0.5), 4.0)
+    if window.strategy == "summarize":
+        older = to_condense(messages, window, ctx.context_summary, scale)
+        if older:
+            await _summarize(ctx, older)
+        messages = summarized(messages, ctx.context_summary)
     fitted = fit(messages, window, scale)
     ctx.last_request_estimate = estimate_tokens(fitted.messages)
     if fitted.changed:
         ctx.record(EventType.CONTEXT_TRIMMED, fitted.to_dict(window.strategy))
     return fitted.messages
+
+
+_SUMMARIZE = (
+    "Condense the conversation below into a summary the assistant can continue from: the "
+    "facts found, what was done and with which tools, what is still open. Plain text, at most "
+    "{words} words; no preamble."
+)
+_SUMMARY_WORDS = 200
+
+
+async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
+    """One model call condenses `older` (with the summary so far) into the run's new summary:
+    it counts as an iteration and is recorded (model.requested with `purpose: summarize`, then
+    the reply), so a resume or a replay serves it from the log like any answer."""
+    model = ctx.model
+    assert model is not None
+    previous = ctx.context_summary
+    lines = [f"Summary so far: {previous.text}"] if previous else []
+    for m in older:
+        calls = "".join(
+            f" [calls {c.name}({json.dumps(c.arguments, ensure_ascii=False)})]"
+            for c in m.tool_calls
+        )
+        lines.append(f"{m.role.value}: {m.content}{calls}")
+    request = [
+        Message.system(_SUMMARIZE.format(words=_SUMMARY_WORDS)),
+        Message.user("\n\n".join(lines)),
+    ]
+    ctx.iteration += 1
+    ctx.record(
+        EventType.MODEL_REQUESTED,
+        {"messages": len(request), "tools": [], "purpose": "summarize"},
+    )
+    await ctx.flush()
+    started = ctx.clock.monotonic()
+    try:
+        completion = await model.complete(request, [])
+    except AgentError as exc:
+        ctx.record(EventType.MODEL_FAILED, {"error": exc.to_dict(), "purpose": "summarize"})
+        raise
+    latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+    ctx.record(
+        EventType.MODEL_RESPONDED,
+        {"completion": completion.to_dict(), "latency_ms": latency_ms, "purpose": "summarize"},
+    )
+    ctx.usage = ctx.usage + completion.usage
+    covered = (previous.covered if previous else 0) + len(older)
+    ctx.context_summary = Summary(covered, completion.message.content.strip())
+    ctx.record(
+        EventType.CONTEXT_TRIMMED,
+        {
+            "strategy": "summarize",
+            "summarized_messages": len(older),
+            "covered_messages": covered,
+            "summary_chars": len(ctx.context_summary.text),
+        },
+    )
 
 
 def _request_options(ctx: RunContext) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 if TYPE_CHECKING:
     from fsm_kernel.workflow.children import ChildResult, ChildRunner
     from fsm_kernel.workflow.output import OutputSchema
+    from fsm_kernel.workflow.window import Summary
 
 __all__ = [
     "CaughtError",
@@ -217,6 +218,8 @@ class RunContext:
     """A one-line state summary written by the evaluate step, kept in the iteration record."""
     last_request_estimate: int = 0
     """The estimated prompt tokens of the last request (see workflow/window.py)."""
+    context_summary: Summary | None = None
+    """The `summarize` strategy's summary of the run's older turns, once it made one."""
     answers: list[HumanAnswer] = field(default_factory=list)
     """What a person answered in the last step that asked (approvals of its tool calls, or
     the text of a `human.input` state); the guards `approved` and `rejected` read them."""

@@ -296,17 +296,19 @@ class ContextSpec(_Model):
         description="The most prompt tokens a request may have: the model's window, or a budget "
         "below it (estimated: 4 characters a token, scaled by what the server reported)",
     )
-    strategy: Literal["truncate_tool_results", "drop_oldest"] = Field(
+    strategy: Literal["truncate_tool_results", "drop_oldest", "summarize"] = Field(
         default="truncate_tool_results",
         description="truncate_tool_results: shorten the oldest tool results first; "
-        "drop_oldest: keep the system prompt, the goal and the latest turns",
+        "drop_oldest: keep the system prompt, the goal and the latest turns; summarize: a "
+        "model call condenses the turns before the latest ones into one message (it counts "
+        "as an iteration and is recorded)",
     )
     keep: int = Field(
         default=4,
         ge=0,
         strict=True,
-        description="truncate_tool_results: the latest tool results kept whole; drop_oldest: "
-        "the latest turns always kept",
+        description="truncate_tool_results: the latest tool results kept whole; drop_oldest "
+        "and summarize: the latest turns always kept as they are",
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from fsm_kernel.protocol import Message, Role
 from fsm_kernel.workflow.spec import ContextSpec
 
-__all__ = ["Fitted", "estimate_tokens", "fit"]
+__all__ = ["Fitted", "Summary", "estimate_tokens", "fit", "summarized", "to_condense"]
 
 _CHARS_PER_TOKEN = 4
 _PER_MESSAGE = 4
@@ -128,6 +128,50 @@ def _drop_oldest(
     while len(turns) > spec.keep and size(head + [m for t in turns for m in t]) > spec.max_tokens:
         dropped += len(turns.pop(0))
     return head + [m for t in turns for m in t], dropped
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the `summarize` strategy condensed so far: the first `covered` messages after the
+    goal, replaced by `text`."""
+
+    covered: int
+    text: str
+
+    def message(self) -> Message:
+        return Message.user(f"A summary of the earlier conversation:\n{self.text}")
+
+
+def _split(messages: list[Message]) -> tuple[list[Message], list[Message]]:
+    """(the system prompt and the goal, the rest)."""
+    head = [m for m in messages[:1] if m.role is Role.SYSTEM]
+    rest = messages[len(head) :]
+    goal_at = next((i for i, m in enumerate(rest) if m.role is Role.USER), None)
+    if goal_at is None:
+        return head, rest
+    return head + rest[: goal_at + 1], rest[goal_at + 1 :]
+
+
+def summarized(messages: list[Message], summary: Summary | None) -> list[Message]:
+    """The request with the part `summary` covers replaced by it."""
+    if summary is None:
+        return messages
+    head, rest = _split(messages)
+    return [*head, summary.message(), *rest[summary.covered :]]
+
+
+def to_condense(
+    messages: list[Message], spec: ContextSpec, summary: Summary | None, scale: float = 1.0
+) -> list[Message]:
+    """The messages the next summary must take in (after what `summary` covers, all but the
+    last `spec.keep` turns); none while the request fits or only the latest turns are left."""
+    request = summarized(messages, summary)
+    if math.ceil(estimate_tokens(request) * scale) <= spec.max_tokens:
+        return []
+    _, rest = _split(messages)
+    turns = _turns(rest[summary.covered if summary else 0 :])
+    old = turns[: max(len(turns) - spec.keep, 0)]
+    return [m for t in old for m in t]
 
 
 def _turns(messages: Sequence[Message]) -> list[list[Message]]:

@@ -214,3 +214,58 @@ def test_validate_points_at_a_bad_context(
     assert refused.code == 2
     assert f"{bad}:" in refused.err
     assert "strategy" in refused.err
+
+
+@pytest.mark.timeout(300)
+def test_summarize_condenses_the_older_turns_with_a_recorded_model_call(
+    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reads = {"n": 0}
+    summaries: list[list[Message]] = []
+
+    def reply(request: dict[str, Any]) -> Any:
+        messages = as_messages(request)
+        usage = {"prompt_tokens": counted(request, 1.0), "completion_tokens": 10}
+        usage["total_tokens"] = usage["prompt_tokens"] + 10
+        if messages[0].content.startswith("Condense the conversation"):
+            summaries.append(messages)
+            return text_reply(f"Read notes.txt {reads['n']} times so far.", usage=usage)
+        reads["n"] += 1
+        if reads["n"] > ITERATIONS:
+            return text_reply("Read it 200 times.", usage=usage)
+        read = call("read_file", {"path": "notes.txt"}, id=f"r{reads['n']}")
+        return tool_reply(read, usage=usage)
+
+    server.enqueue(*[reply] * (3 * ITERATIONS))
+    store = tmp_path / "runs.db"
+    path = workflow(tmp_path, f"context: {{max_tokens: {WINDOW}, strategy: summarize}}\n")
+    text = path.read_text().replace(f"max_iterations: {ITERATIONS + 5}", "max_iterations: 0")
+    path.write_text(text)
+    outcome = cli(
+        capsys, "run", path, "-p", "Read notes.txt 200 times.",
+        "--base-url", server.base_url, "--model", "m", "--store", store,
+        "--workspace", tmp_path, "--json", "--max-retries", "0",
+    )  # fmt: skip
+
+    assert outcome.code == 0, outcome.err
+    result = outcome.json()
+    assert result["response"] == "Read it 200 times."
+    sizes = [counted(r, 1.0) for r in server.requests]
+    assert max(sizes) <= WINDOW
+    assert summaries, "the older turns were condensed"
+    assert result["iterations"] == ITERATIONS + 1 + len(summaries)  # each summary counts
+    last = as_messages(server.requests[-1])
+    assert last[1] == Message.user("Read notes.txt 200 times.")  # the goal stays
+    assert last[2].content.startswith("A summary of the earlier conversation:\nRead notes.txt")
+    assert len(last[-1].content) == 2_000  # the latest turns as they are
+    second = summaries[1][1].content if len(summaries) > 1 else ""
+    assert second.startswith("Summary so far: Read notes.txt")  # each builds on the last
+    with SqliteEventStore(store) as events:
+        log = events.read(result["run_id"])
+    asked = [e.data for e in log if e.type is EventType.MODEL_REQUESTED]
+    assert sum(1 for a in asked if a.get("purpose") == "summarize") == len(summaries)
+    trimmed = [e.data for e in log if e.type is EventType.CONTEXT_TRIMMED]
+    assert {t["strategy"] for t in trimmed} == {"summarize"}
+    replay = cli(capsys, "replay", result["run_id"], "--store", store, "--json")
+    report = json.loads(replay.out)
+    assert report["identical"] is True, (report["first_divergence"], report["error"])

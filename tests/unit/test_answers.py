@@ -5,7 +5,6 @@ critique) never becomes the run's response, whatever the iteration cap cuts it s
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 from typing import Any
 

@@ -108,7 +108,8 @@ def test_each_step_runs_as_a_react_child_and_the_answer_comes_from_their_results
     answer_request = model.requests[-1]
     results = answer_request.messages[-2].content
     assert results.startswith("The workflow 'react' ran once per item (2 items):")
-    assert "→ a.txt holds forty-two." in results and "→ It is forty-two." in results
+    assert "→ a.txt holds forty-two." in results
+    assert "→ It is forty-two." in results
 
 
 def test_a_failed_step_replans_the_rest(tmp_path: Path) -> None:
