@@ -45,8 +45,10 @@ from fsm_kernel.testing._replies import (
     text_reply,
     tool_call,
 )
+from fsm_kernel.workflow.children import ChildResult
 
 __all__ = [
+    "ChildResult",
     "CoverageCase",
     "DeclaredTransition",
     "FunctionChatModel",

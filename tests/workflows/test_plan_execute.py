@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from fsm_kernel.store import SqliteEventStore
-from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
-from fsm_kernel.workflow.children import ChildResult
+from fsm_kernel.testing import ChildResult, ScriptedChatModel, WorkflowHarness, call
 from tests.workflows._table import check_case, check_coverage
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "plan_execute.yaml"
