@@ -28,18 +28,34 @@ def _args(arguments: Any) -> str:
 
 def progress_printer(stream: TextIO) -> Callable[[Event | TextDelta], None]:
     """Prints state changes and tool calls as they happen, and the model's text as it streams
-    (on the progress stream: stdout gets the run's final answer only)."""
+    (on the progress stream: stdout gets the run's final answer only). Of child runs
+    (workflow.call, workflow.map) it shows when each starts and how it ended, from the
+    parent's events: their own steps would interleave (`runs show` has them)."""
     streaming = False
+    child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
+    children = 0  # children still going: text streamed meanwhile is theirs
 
     def show(item: Event | TextDelta) -> None:
-        nonlocal streaming
+        nonlocal streaming, children
         if isinstance(item, TextDelta):
+            if children:
+                return
             if not streaming:
                 stream.write("  ")
                 streaming = True
             stream.write(item.text.replace("\n", "\n  "))
             stream.flush()
             return
+        if item.type == EventType.CHILD_STARTED:
+            child_runs.add(str(item.data.get("run_id")))
+        if item.type == EventType.RUN_STARTED and item.data.get("parent_run_id"):
+            child_runs.add(item.run_id)
+        if item.run_id in child_runs:
+            return
+        if item.type == EventType.CHILD_STARTED:
+            children += 1
+        elif item.type == EventType.CHILD_FINISHED:
+            children = max(children - 1, 0)
         line = _progress_line(item)
         if line is None:
             return
@@ -74,6 +90,17 @@ def _progress_line(event: Event) -> str | None:
         )
     if event.type == EventType.ERROR_CAUGHT:
         return f"  ✗ {event.state} failed: {_error_text(data)}; caught → {data.get('target')}"
+    if event.type == EventType.CHILD_STARTED:
+        item = f" item {data['item'] + 1}" if "item" in data else ""
+        return (
+            f"  ↳ child run {data.get('run_id')}{item} ({data.get('workflow')}): "
+            f"{cut(str(data.get('input') or ''), 80)}"
+        )
+    if event.type == EventType.CHILD_FINISHED:
+        mark = "✓" if data.get("ok") else "✗"
+        outcome = data.get("reason") or ("waiting" if data.get("waiting_for") else "not run")
+        said = data.get("answer") if data.get("ok") else data.get("error") or data.get("answer")
+        return f"  {mark} child run {data.get('run_id')}: {outcome}: {cut(str(said or ''), 100)}"
     if event.type == EventType.RUN_TERMINATED:
         return f"■ {data.get('reason')}"
     return None

@@ -65,9 +65,7 @@ def steps_server(steps: list[str], *, delay: float = 0.0, failing: str | None = 
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], server: FakeOpenAIServer, *args: Any) -> Any:
-    return cli(
-        capsys, *args, "--base-url", server.base_url, "--model", "m", "--max-retries", "0"
-    )
+    return cli(capsys, *args, "--base-url", server.base_url, "--model", "m", "--max-retries", "0")
 
 
 def test_call_answers_with_its_child_and_links_it(
@@ -191,9 +189,10 @@ def test_one_failed_item_does_not_cancel_the_others_unless_fail_fast(
 
     fail_fast = tmp_path / "fail_fast.yaml"
     fail_fast.write_text(
-        (DATA / "fanout.yaml").read_text().replace(
-            "max_concurrency: 3", "max_concurrency: 1\n    fail_fast: true"
-        ).replace("workflow: step.yaml", f"workflow: {DATA / 'step.yaml'}")
+        (DATA / "fanout.yaml")
+        .read_text()
+        .replace("max_concurrency: 3", "max_concurrency: 1\n    fail_fast: true")
+        .replace("workflow: step.yaml", f"workflow: {DATA / 'step.yaml'}")
     )
     with FakeOpenAIServer(stream_style=None) as second:
         second.enqueue(*[steps_server(steps, failing="a")] * 2)
@@ -466,3 +465,27 @@ def test_diagrams_draw_a_calling_state_and_expand_what_it_calls(
     refused = cli(capsys, "diagram", DATA / "fanout.yaml", "--expand", "--format", "mermaid")
     assert refused.code == 2
     assert "--expand draws dot, svg or png, not mermaid" in refused.err
+
+
+def test_progress_shows_each_child_once_started_and_once_ended(
+    capsys: pytest.CaptureFixture[str], server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    steps = ["a", "b"]
+    server.enqueue(*[steps_server(steps)] * 4)
+
+    done = run_cli(
+        capsys, server, "run", DATA / "fanout.yaml", "-p", "go", "--store", tmp_path / "r.db"
+    )
+
+    assert done.code == 0, done.err
+    lines = done.err.splitlines()
+    started = [line for line in lines if line.startswith("  ↳ child run ")]
+    ended = [line for line in lines if line.startswith("  ✓ child run ")]
+    assert [line.split(" item ")[1] for line in started] == [
+        "1 (step.yaml): Step 1 of the task go: a",
+        "2 (step.yaml): Step 2 of the task go: b",
+    ]
+    assert sorted(line.rsplit(": ", 1)[1] for line in ended) == ["did a", "did b"]
+    assert sum(1 for line in lines if line.startswith("run ")) == 1  # the children's own: not shown
+    assert "  did a" not in lines  # nor their streamed text
+    assert done.out.startswith("summary of the steps\n")
