@@ -31,40 +31,52 @@ def progress_printer(stream: TextIO) -> Callable[[Event | TextDelta], None]:
     (on the progress stream: stdout gets the run's final answer only). Of child runs
     (workflow.call, workflow.map) it shows when each starts and how it ended, from the
     parent's events: their own steps would interleave (`runs show` has them)."""
-    streaming = False
-    child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
-    children = 0  # children still going: text streamed meanwhile is theirs
+    return _Progress(stream).show
 
-    def show(item: Event | TextDelta) -> None:
-        nonlocal streaming, children
+
+class _Progress:
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.streaming = False
+        self.child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
+        self.children = 0  # children still going: text streamed meanwhile is theirs
+
+    def show(self, item: Event | TextDelta) -> None:
         if isinstance(item, TextDelta):
-            if children:
-                return
-            if not streaming:
-                stream.write("  ")
-                streaming = True
-            stream.write(item.text.replace("\n", "\n  "))
-            stream.flush()
+            self._text(item)
             return
-        if item.type == EventType.CHILD_STARTED:
-            child_runs.add(str(item.data.get("run_id")))
-        if item.type == EventType.RUN_STARTED and item.data.get("parent_run_id"):
-            child_runs.add(item.run_id)
-        if item.run_id in child_runs:
+        if not self._follows(item):
             return
-        if item.type == EventType.CHILD_STARTED:
-            children += 1
-        elif item.type == EventType.CHILD_FINISHED:
-            children = max(children - 1, 0)
         line = _progress_line(item)
         if line is None:
             return
-        if streaming:
-            stream.write("\n")
-            streaming = False
-        print(line, file=stream, flush=True)
+        if self.streaming:
+            self.stream.write("\n")
+            self.streaming = False
+        print(line, file=self.stream, flush=True)
 
-    return show
+    def _text(self, delta: TextDelta) -> None:
+        if self.children:
+            return
+        if not self.streaming:
+            self.stream.write("  ")
+            self.streaming = True
+        self.stream.write(delta.text.replace("\n", "\n  "))
+        self.stream.flush()
+
+    def _follows(self, event: Event) -> bool:
+        """Whether the event is of a run it follows (not a child's), counting the children."""
+        if event.type == EventType.CHILD_STARTED:
+            self.child_runs.add(str(event.data.get("run_id")))
+        if event.type == EventType.RUN_STARTED and event.data.get("parent_run_id"):
+            self.child_runs.add(event.run_id)
+        if event.run_id in self.child_runs:
+            return False
+        if event.type == EventType.CHILD_STARTED:
+            self.children += 1
+        elif event.type == EventType.CHILD_FINISHED:
+            self.children = max(self.children - 1, 0)
+        return True
 
 
 def _progress_line(event: Event) -> str | None:
@@ -83,27 +95,37 @@ def _progress_line(event: Event) -> str | None:
         return f"  ✗ {data['call']['name']}: {cut(data['result']['content'], 160)}"
     if event.type == EventType.MODEL_NOTICE and data.get("kind") == "stream_restarted":
         return "  (the model's answer restarts: the stream broke and the request is retried)"
+    if event.type in (EventType.ACTION_FAILED, EventType.ERROR_CAUGHT):
+        return _failure_line(event)
+    if event.type in (EventType.CHILD_STARTED, EventType.CHILD_FINISHED):
+        return _child_line(event)
+    if event.type == EventType.RUN_TERMINATED:
+        return f"■ {data.get('reason')}"
+    return None
+
+
+def _failure_line(event: Event) -> str:
+    data = event.data
     if event.type == EventType.ACTION_FAILED:
         return (
             f"  ✗ {event.state} failed (attempt {data.get('attempt')}): {_error_text(data)}; "
             f"retrying in {data.get('retry_in', 0):g}s"
         )
-    if event.type == EventType.ERROR_CAUGHT:
-        return f"  ✗ {event.state} failed: {_error_text(data)}; caught → {data.get('target')}"
+    return f"  ✗ {event.state} failed: {_error_text(data)}; caught → {data.get('target')}"
+
+
+def _child_line(event: Event) -> str:
+    data = event.data
     if event.type == EventType.CHILD_STARTED:
         item = f" item {data['item'] + 1}" if "item" in data else ""
         return (
             f"  ↳ child run {data.get('run_id')}{item} ({data.get('workflow')}): "
             f"{cut(str(data.get('input') or ''), 80)}"
         )
-    if event.type == EventType.CHILD_FINISHED:
-        mark = "✓" if data.get("ok") else "✗"
-        outcome = data.get("reason") or ("waiting" if data.get("waiting_for") else "not run")
-        said = data.get("answer") if data.get("ok") else data.get("error") or data.get("answer")
-        return f"  {mark} child run {data.get('run_id')}: {outcome}: {cut(str(said or ''), 100)}"
-    if event.type == EventType.RUN_TERMINATED:
-        return f"■ {data.get('reason')}"
-    return None
+    mark = "✓" if data.get("ok") else "✗"
+    outcome = data.get("reason") or ("waiting" if data.get("waiting_for") else "not run")
+    said = data.get("answer") if data.get("ok") else data.get("error") or data.get("answer")
+    return f"  {mark} child run {data.get('run_id')}: {outcome}: {cut(str(said or ''), 100)}"
 
 
 def _error_text(data: dict[str, Any]) -> str:
