@@ -659,6 +659,27 @@ def test_list_runs_filters_by_workflow_status_and_text(store: AnyEventStore) -> 
     assert store.list_runs(where=RunFilter()) == store.list_runs()
 
 
+def test_child_runs_carry_their_parent_and_a_filter_leaves_them_out(
+    store: AnyEventStore,
+) -> None:
+    store.append([started("parent", ts=T0)])
+    for i in range(2):
+        child = started(f"child-{i}", ts=T0 + timedelta(seconds=i + 1), workflow="react")
+        child = Event(**{**child.__dict__, "data": {**child.data, "parent_run_id": "parent"}})
+        store.append(
+            [child, ev(f"child-{i}", 2, EventType.RUN_TERMINATED, data={"reason": "done"})]
+        )
+
+    runs = {r.run_id: r for r in store.list_runs()}
+    assert runs["parent"].parent_run_id is None
+    assert runs["child-0"].parent_run_id == runs["child-1"].parent_run_id == "parent"
+    assert runs["child-1"].to_dict()["parent_run_id"] == "parent"
+    top = RunFilter(top_level=True)
+    assert ids_of(store.list_runs(where=top)) == ["parent"]
+    assert store.count_runs(where=top) == 1
+    assert ids_of(store.list_runs(where=RunFilter(workflow="react"))) == ["child-1", "child-0"]
+
+
 def test_list_runs_pages_both_ways_with_a_run_id_as_the_cursor(store: AnyEventStore) -> None:
     ids = _fill(store)[::-1]  # newest first
 
