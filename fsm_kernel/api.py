@@ -20,7 +20,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias
 
-from fsm_kernel.bootstrap import RunOptions, build_kernel, load_spec, recorded_options
+from fsm_kernel.bootstrap import (
+    RunOptions,
+    attach_mcp,
+    build_kernel,
+    load_spec,
+    recorded_options,
+)
 from fsm_kernel.child_runs import LiveChildren
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
@@ -42,6 +48,7 @@ from fsm_kernel.replay import (
     resume_run,
 )
 from fsm_kernel.streaming import TextDelta
+from fsm_kernel.tools.mcp_client import McpServers
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
 from fsm_kernel.workflow.spec import WorkflowSpec
 
@@ -220,6 +227,9 @@ class Agent:
         self._human = human
         self._owned = _Owned()
         self.store = self._open_store(store)
+        self._mcp = McpServers(self.spec.mcp_servers)
+        """The workflow's MCP servers: started on the first run, stopped with the agent."""
+        self._owned.closers.append(self._mcp.aclose)
         self.kernel = self._kernel(self.options)
 
     # -- life cycle -------------------------------------------------------------------------
@@ -261,6 +271,7 @@ class Agent:
         its RunResult: with a store, its conversation is read back from the log, so resume and
         replay rebuild it the same way) or a list of Messages (recorded in `run.started`)."""
         history, continues = self._continuation(continue_from)
+        await attach_mcp(self.kernel, self.spec, self._mcp)
         return await self.kernel.run(prompt, run_id=run_id, history=history, continues=continues)
 
     def _continuation(self, source: Continuation) -> tuple[list[Message], str | None]:
@@ -293,6 +304,7 @@ class Agent:
                 queue.put_nowait(typed)
 
         history, continues = self._continuation(continue_from)
+        await attach_mcp(self.kernel, self.spec, self._mcp)
         task = asyncio.ensure_future(
             self.kernel.run(
                 prompt, run_id=run_id, watch=watch, history=history, continues=continues
@@ -342,6 +354,7 @@ class Agent:
         check_answer(run, answer)  # before building anything
         given = _options(overrides)
         kernel = self._kernel(given.over(recorded_options(run.config())))
+        await attach_mcp(kernel, self.spec, self._mcp)
         return await resume_run(
             kernel, store, run.run_id, force=force, overrides=given.given(), answer=answer
         )

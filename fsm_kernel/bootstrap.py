@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,6 +32,7 @@ from fsm_kernel.kernel import Kernel
 from fsm_kernel.memory import build_system_prompt, load_memory
 from fsm_kernel.protocol import ChatModel, EventStore
 from fsm_kernel.tools import ToolRegistry, builtin_registry
+from fsm_kernel.tools.mcp_client import McpRef, McpServers, parse_ref
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanChannel
@@ -40,9 +41,11 @@ from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
     "RunOptions",
+    "attach_mcp",
     "build_kernel",
     "list_stock_workflows",
     "load_spec",
+    "mcp_refs",
     "recorded_options",
     "resolve_workflow",
 ]
@@ -206,6 +209,8 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> BuiltTools:
     approval: set[str] = set()
     for i, entry in enumerate(spec.tools):
         ref = entry.name
+        if parse_ref(ref) is not None:
+            continue  # an MCP server's tools: offered once it has started (attach_mcp)
         if ":" in ref or "." in ref:
             try:
                 names = [_register(registry, f) for f in import_tools(ref)]
@@ -224,6 +229,13 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> BuiltTools:
         if entry.approval == "required":
             approval.update(names)
     offered += [_register(registry, f) for f in options.extra_tools]
+    if not mcp_refs(spec):  # else checked once the servers have listed their tools
+        _check_state_tools(spec, offered)
+        _check_tool_choices(spec, offered)
+    return BuiltTools(registry, offered, frozenset(approval))
+
+
+def _check_state_tools(spec: WorkflowSpec, offered: Sequence[str]) -> None:
     for sid, state in spec.states.items():
         for j, name in enumerate(state.tools or ()):
             if name not in offered:
@@ -231,8 +243,52 @@ def build_tools(spec: WorkflowSpec, options: RunOptions) -> BuiltTools:
                     f"state tool {name!r} is not in the workflow's tools",
                     location=spec.location("states", sid, "tools", j),
                 )
-    _check_tool_choices(spec, offered)
-    return BuiltTools(registry, offered, frozenset(approval))
+
+
+def mcp_refs(spec: WorkflowSpec) -> list[tuple[McpRef, bool]]:
+    """The workflow's `tools:` entries naming MCP tools, each with whether a person approves
+    its calls."""
+    out = []
+    for entry in spec.tools:
+        ref = parse_ref(entry.name)
+        if ref is not None:
+            out.append((ref, entry.approval == "required"))
+    return out
+
+
+async def attach_mcp(kernel: Kernel, spec: WorkflowSpec, servers: McpServers) -> None:
+    """Start the workflow's MCP servers (once: `servers` keeps them) and offer the tools its
+    `mcp:` entries select to the kernel's runs, with their approval settings; `run.started`
+    records them with the servers (never an env value or a header). Idempotent.
+
+    Raises:
+        ConfigError: a server did not start in time, or lacks a tool an entry names.
+        WorkflowValidationError: a state's `tools:` names a tool no entry offers.
+    """
+    refs = mcp_refs(spec)
+    if not refs:
+        return
+    if not isinstance(kernel.tools, ToolRegistry):
+        raise ConfigError("MCP tools need the kernel's own tool registry")
+    got = await servers.register([ref for ref, _ in refs], kernel.tools)
+    names = [name for _, selected in got for name in selected]
+    new = [n for n in dict.fromkeys(names) if n not in kernel.tool_names]
+    kernel.tool_names = (*kernel.tool_names, *new)
+    approval = {
+        name
+        for (_, selected), (_, required) in zip(got, refs, strict=True)
+        if required
+        for name in selected
+    }
+    if approval:
+        kernel.approval_required = kernel.approval_required | approval
+        kernel.settings["approval"] = sorted(kernel.approval_required)
+    kernel.settings["tools"] = list(kernel.tool_names)
+    kernel.settings["mcp_servers"] = {
+        name: server.recorded() for name, server in spec.mcp_servers.items()
+    }
+    _check_state_tools(spec, kernel.tool_names)
+    _check_tool_choices(spec, list(kernel.tool_names))
 
 
 def _check_tool_choices(spec: WorkflowSpec, offered: list[str]) -> None:

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsm_kernel.bootstrap import RunOptions, build_kernel, recorded_options
+from fsm_kernel.bootstrap import RunOptions, attach_mcp, build_kernel, recorded_options
 from fsm_kernel.errors import RunNotFoundError
 from fsm_kernel.kernel import Kernel, Watcher
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, Usage
 from fsm_kernel.replay import RecordedRun, resume_run
+from fsm_kernel.tools.mcp_client import McpServers
 from fsm_kernel.workflow.children import ChildRequest, ChildResult, bounded_limits
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
@@ -62,13 +63,14 @@ class LiveChildren:
         self.on_event = on_event
         self.closers = closers if closers is not None else []
         self._kernels: dict[Path, Kernel] = {}
+        self._mcp: dict[Path, McpServers] = {}
 
     async def run(self, request: ChildRequest) -> ChildResult:
         path = find_workflow(request.workflow, relative_to=request.caller)
         recorded = self._recorded(request.run_id)
         if recorded is not None:
             return await self._again(recorded, path, request)
-        kernel = self._kernel(path)
+        kernel = await self._kernel(path)
         limits = bounded_limits(kernel.limits, request.max_iterations, request.timeout_seconds)
         result = await kernel.run(
             request.prompt,
@@ -99,6 +101,7 @@ class LiveChildren:
                 return _from_log(run, spec)
         options = RunOptions(**self.options.given()).over(recorded_options(run.config()))
         kernel = self._build(spec, options)
+        await attach_mcp(kernel, spec, self._servers(path))
         result = await resume_run(kernel, self.store, run.run_id, answer=answer)
         return result.as_child()
 
@@ -108,12 +111,23 @@ class LiveChildren:
             return load_workflow(str(recorded))
         return load_workflow(path)
 
-    def _kernel(self, path: Path) -> Kernel:
-        key = path.resolve()
+    async def _kernel(self, path: Path) -> Kernel:
+        key = _key(path)
         kernel = self._kernels.get(key)
         if kernel is None:
-            kernel = self._kernels[key] = self._build(load_workflow(path), self.options)
+            spec = load_workflow(path)
+            kernel = self._kernels[key] = self._build(spec, self.options)
+            await attach_mcp(kernel, spec, self._servers(path))
         return kernel
+
+    def _servers(self, path: Path) -> McpServers:
+        """The MCP servers of a child workflow, started once for all its children."""
+        key = _key(path)
+        servers = self._mcp.get(key)
+        if servers is None:
+            servers = self._mcp[key] = McpServers(load_workflow(path).mcp_servers)
+            self.closers.append(servers.aclose)
+        return servers
 
     def _build(self, spec: WorkflowSpec, options: RunOptions) -> Kernel:
         """A kernel for the child's workflow: the parent's model when the child's workflow
@@ -129,6 +143,11 @@ class LiveChildren:
         if model is not shared and hasattr(model, "aclose"):
             self.closers.append(model.aclose)
         return kernel
+
+
+def _key(path: Path) -> Path:
+    """One key per workflow file, however it was named."""
+    return path.resolve()
 
 
 def _from_log(run: RecordedRun, spec: WorkflowSpec) -> ChildResult:

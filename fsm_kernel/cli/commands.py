@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # imported where used: `fsm-kernel --help` stays fast
     from fsm_kernel.api import Agent
     from fsm_kernel.bootstrap import RunOptions
     from fsm_kernel.kernel import RunResult
-    from fsm_kernel.protocol import EventStore
+    from fsm_kernel.protocol import EventStore, Tool
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
@@ -30,7 +30,19 @@ def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
     p.add_argument("workflows", nargs="+", metavar="WORKFLOW")
     p.set_defaults(handler=cmd_validate)
-    p = sub.add_parser("tools", help="list the built-in tools with their parameters")
+    p = sub.add_parser(
+        "tools",
+        help="list the built-in tools (or a workflow's, MCP servers' included) with their "
+        "parameters",
+        description="Without --workflow: the built-in tools. With it: the tools the workflow "
+        "offers the model, its own and its MCP servers' (which are started to list them), "
+        "with their parameters; --json prints their JSON Schemas.",
+    )
+    p.add_argument(
+        "--workflow",
+        metavar="WORKFLOW",
+        help="a workflow file or stock name: list the tools it offers",
+    )
     p.add_argument("--json", action="store_true", help="print the tool schemas as JSON")
     p.set_defaults(handler=cmd_tools)
     p = sub.add_parser("schema", help="print the workflow file's JSON Schema (for editors)")
@@ -274,7 +286,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_tools(args: argparse.Namespace) -> int:
     from fsm_kernel.tools import builtin_registry
 
-    tools = builtin_registry(".").list_tools()
+    if args.workflow is not None:
+        tools = asyncio.run(_workflow_tools(args.workflow))
+    else:
+        tools = builtin_registry(".").list_tools()
     if args.json:
         print(json.dumps([t.to_dict() for t in tools], indent=2))
         return EXIT_OK
@@ -286,6 +301,28 @@ def cmd_tools(args: argparse.Namespace) -> int:
         )
         print(f"{t.name}({params})\n    {t.description}")
     return EXIT_OK
+
+
+async def _workflow_tools(workflow: str) -> list[Tool]:
+    """The tools a workflow offers, its MCP servers' included (started, listed, stopped)."""
+    from fsm_kernel.bootstrap import RunOptions, attach_mcp, build_kernel, load_spec
+    from fsm_kernel.tools.mcp_client import McpServers
+
+    spec = load_spec(workflow)
+    kernel, _ = build_kernel(spec, RunOptions(), chat_model=_NoModel())
+    servers = McpServers(spec.mcp_servers)
+    try:
+        await attach_mcp(kernel, spec, servers)
+    finally:
+        await servers.aclose()
+    return kernel.tools.list_tools(list(kernel.tool_names))
+
+
+class _NoModel:
+    """Stands in for the model where none is asked (listing tools)."""
+
+    async def complete(self, messages: Any, tools: Any, **options: Any) -> Any:
+        raise AssertionError("no model is asked here")
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

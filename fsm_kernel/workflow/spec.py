@@ -18,6 +18,7 @@ from pydantic import (
     PlainValidator,
     PrivateAttr,
     WithJsonSchema,
+    model_validator,
 )
 
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
@@ -32,6 +33,7 @@ __all__ = [
     "ContextSpec",
     "ErrorKind",
     "Limits",
+    "McpServerSpec",
     "ReasonSpec",
     "RetrySpec",
     "SourceLocation",
@@ -244,6 +246,70 @@ class AgentBlock(_Model):
         f"finish_reason length. Default {DEFAULT_MAX_TOKENS}; 0 sends no cap (the server's own "
         "default applies)",
     )
+
+
+MCP_NAME = r"^[A-Za-z][A-Za-z0-9_-]*$"
+"""A name in `mcp_servers:` (what `tools:` entries `mcp:NAME` refer to)."""
+
+
+class McpServerSpec(_Model):
+    """An MCP tool server: a command the run starts (stdio) or a URL (streamable HTTP)."""
+
+    command: str | None = Field(
+        default=None, description="stdio: the program to start (e.g. npx, uvx, python)"
+    )
+    args: list[str] = Field(default_factory=list, description="stdio: its arguments")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="stdio: environment variables for it (${NAME} takes one of ours; never "
+        "recorded)",
+    )
+    cwd: str | None = Field(default=None, description="stdio: its working directory")
+    url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description="streamable HTTP: the server's endpoint (e.g. http://localhost:8000/mcp)",
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="HTTP: headers sent with every request; ${NAME} takes an environment "
+        "variable (e.g. Authorization: Bearer ${GITHUB_TOKEN}); never logged or recorded",
+    )
+    startup_timeout: float = Field(
+        default=20.0,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="Seconds for the server to start and list its tools",
+    )
+    call_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Seconds one tool call may take; then the call is an error result",
+    )
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerSpec:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give either command (stdio) or url (streamable HTTP)")
+        if self.url is not None and (self.args or self.env or self.cwd):
+            raise ValueError("args, env and cwd are for a command (stdio), not a url")
+        if self.command is not None and self.headers:
+            raise ValueError("headers are for a url (streamable HTTP), not a command")
+        return self
+
+    def recorded(self) -> dict[str, Any]:
+        """What a run's log keeps of it: never env values or headers (they carry secrets)."""
+        if self.url is not None:
+            return {"url": self.url, "headers": sorted(self.headers)}
+        return {
+            "command": self.command,
+            "args": self.args,
+            "cwd": self.cwd,
+            "env": sorted(self.env),
+        }
 
 
 class Limits(_Model):
@@ -551,6 +617,12 @@ class WorkflowSpec(_Model):
         default_factory=list,
         description="Built-in tool names or package.module:function, or mappings "
         "{name: ..., approval: required} for tools a person must approve before each call",
+    )
+    mcp_servers: dict[str, McpServerSpec] = Field(
+        default_factory=dict,
+        description="MCP tool servers by name; `tools:` entries mcp:NAME (all its tools) or "
+        "mcp:NAME/TOOL offer their tools",
+        json_schema_extra={"propertyNames": {"pattern": MCP_NAME}},
     )
     parallel_tool_calls: bool = Field(
         default=False,

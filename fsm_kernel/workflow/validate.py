@@ -16,10 +16,11 @@ from collections import deque
 from pathlib import Path
 
 from fsm_kernel.errors import WorkflowValidationError
+from fsm_kernel.tools.mcp_client import parse_ref
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.output import OutputError, OutputSchema
-from fsm_kernel.workflow.spec import TERMINATION_REASONS, StateSpec, WorkflowSpec
+from fsm_kernel.workflow.spec import MCP_NAME, TERMINATION_REASONS, StateSpec, WorkflowSpec
 
 __all__ = ["EVENT_NAME", "RESERVED_NAMES", "check_calls", "validate_workflow"]
 
@@ -168,6 +169,33 @@ def _check_children(spec: WorkflowSpec) -> None:
                         sid,
                         key,
                     )
+
+
+def _check_mcp(spec: WorkflowSpec) -> None:
+    """`mcp:NAME` tool entries name a declared server; server names are identifiers."""
+    for name in spec.mcp_servers:
+        if not re.match(MCP_NAME, name):
+            raise _fail(
+                spec,
+                f"MCP server name {name!r} must start with a letter and hold only letters, "
+                "digits, _ and -",
+                "mcp_servers",
+                name,
+                "<key>",
+            )
+    for i, entry in enumerate(spec.tools):
+        ref = parse_ref(entry.name)
+        if ref is None:
+            continue
+        if not ref.server or ref.server not in spec.mcp_servers:
+            declared = ", ".join(spec.mcp_servers) or "none"
+            raise _fail(
+                spec,
+                f"tool entry {entry.name!r} names MCP server {ref.server!r}, which "
+                f"mcp_servers does not declare (declared: {declared})",
+                "tools",
+                i,
+            )
 
 
 def check_calls(spec: WorkflowSpec) -> None:
@@ -426,6 +454,7 @@ def validate_workflow(spec: WorkflowSpec, *, import_code: bool = True) -> None:
     _check_transitions(spec)
     _check_parallel_flags(spec)
     _check_children(spec)
+    _check_mcp(spec)
     if import_code:
         _check_refs(spec)
         _check_answer_flags(spec)
