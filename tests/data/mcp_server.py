@@ -18,7 +18,9 @@ from mcp.server.mcpserver import MCPServer
 
 NAME = os.environ.get("MCP_TEST_NAME", "calc")
 server = MCPServer(NAME)
-_headers: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("headers", default={})
+_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "headers", default=None
+)
 
 
 @server.tool()
@@ -55,7 +57,7 @@ def die() -> str:
 @server.tool()
 def whoami() -> str:
     """The Authorization header this request carried (HTTP only)."""
-    return _headers.get().get("authorization", "(none)")
+    return (_headers.get() or {}).get("authorization", "(none)")
 
 
 def _http(port: int) -> None:
