@@ -48,6 +48,7 @@ from fsm_kernel.replay import (
     resume_run,
 )
 from fsm_kernel.streaming import TextDelta
+from fsm_kernel.telemetry import RunTracer, tracer_provider, tracing_wanted
 from fsm_kernel.tools.mcp_client import McpServers
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -182,6 +183,8 @@ class Agent:
         human: how runs reach a person (tool approval, `human.input` states): a HumanChannel
             whose `ask(question)` returns a HumanAnswer; None (the default) suspends such runs
             (`result.status == "waiting"`) until `resume(run_id, answer=...)`.
+        otel: trace every run with OpenTelemetry (True), never (False), or when the standard
+            OTEL_* environment asks for it (None, the default); see fsm_kernel.telemetry.
     """
 
     def __init__(
@@ -205,6 +208,7 @@ class Agent:
         stream: bool | None = None,
         on_event: Watcher | None = None,
         human: HumanChannel | None = None,
+        otel: bool | None = None,
     ) -> None:
         self.spec = workflow if isinstance(workflow, WorkflowSpec) else load_spec(str(workflow))
         self.options = RunOptions(
@@ -223,9 +227,9 @@ class Agent:
             extra_tools=list(tools),
         )
         self._chat_model = chat_model
-        self._on_event = on_event
         self._human = human
         self._owned = _Owned()
+        self._on_event = self._traced(on_event, otel)
         self.store = self._open_store(store)
         self._mcp = McpServers(self.spec.mcp_servers)
         """The workflow's MCP servers: started on the first run, stopped with the agent."""
@@ -365,6 +369,24 @@ class Agent:
         return await replay_run(self.kernel.workflow, store, run_id)
 
     # -- building ---------------------------------------------------------------------------
+
+    def _traced(self, on_event: Watcher | None, otel: bool | None) -> Watcher | None:
+        """`on_event`, and OpenTelemetry spans of every run when tracing is wanted."""
+        if not tracing_wanted(otel):
+            return on_event
+        provider, flush = tracer_provider()
+        if flush is not None:
+            self._owned.closers.append(flush)
+        tracer = RunTracer(provider)
+        if on_event is None:
+            return tracer
+        watch = on_event
+
+        def both(item: Event | TextDelta) -> None:
+            watch(item)
+            tracer(item)
+
+        return both
 
     def _open_store(self, store: str | Path | EventStore | None) -> EventStore | None:
         if store is None or isinstance(store, EventStore):

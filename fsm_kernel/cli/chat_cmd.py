@@ -63,6 +63,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             store=args.store or default_store_location(),
             on_event=output.progress_printer(sys.stderr),
             human=human,
+            otel=getattr(args, "otel", None),
         )
         async with agent:
             previous: str | None = None

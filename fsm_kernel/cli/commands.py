@@ -88,6 +88,14 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
         help="retries on connection errors, 429 and 5xx (default 3)",
     )
     g.add_argument(
+        "--otel",
+        action="store_const",
+        const=True,
+        help="trace the run with OpenTelemetry (spans per run, state, model and tool call) to "
+        "the OTLP endpoint the OTEL_EXPORTER_OTLP_* variables name; on by default when they "
+        "(or OTEL_TRACES_EXPORTER) are set. Needs the otel extra",
+    )
+    g.add_argument(
         "--no-stream",
         dest="stream",
         action="store_const",
@@ -245,6 +253,7 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
             store=args.store or default_store_location(),
             on_event=watch,
             human=human,
+            otel=getattr(args, "otel", None),
         )
         async with agent:
             return await run_cancellable(start(agent))

@@ -34,6 +34,7 @@ from fsm_kernel.scheduler import (
     open_queue,
     state_tools,
 )
+from fsm_kernel.telemetry import dispatch_span
 
 EXIT_OK, EXIT_FAIL = 0, 1
 _DISPATCH_ID = re.compile(r"[0-9A-Fa-f-]{1,36}")
@@ -71,7 +72,8 @@ async def _run_agent(
         store=config.store,
     )
     async with workflow:
-        result = await workflow.run(prompt)
+        with dispatch_span(agent.agent_id):  # the run joins the dispatch's trace
+            result = await workflow.run(prompt)
     return RunOutcome(
         ok=result.ok,
         run_id=result.run_id,
