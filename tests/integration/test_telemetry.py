@@ -132,7 +132,8 @@ def test_a_run_is_a_trace_of_states_model_calls_and_tool_calls(
     for span in finished:  # nothing of the conversation unless asked for
         assert "gen_ai.output.messages" not in (span.attributes or {})
         assert "gen_ai.tool.call.result" not in (span.attributes or {})
-    assert root.start_time is not None and chats[0].start_time is not None
+    assert root.start_time is not None
+    assert chats[0].start_time is not None
     assert root.start_time <= chats[0].start_time <= chats[0].end_time <= root.end_time  # type: ignore[operator]
 
 
