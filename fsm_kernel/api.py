@@ -30,6 +30,7 @@ from fsm_kernel.bootstrap import (
 from fsm_kernel.child_runs import LiveChildren
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
+from fsm_kernel.notify import Notifier
 from fsm_kernel.protocol import (
     ChatModel,
     Event,
@@ -51,7 +52,7 @@ from fsm_kernel.streaming import TextDelta
 from fsm_kernel.telemetry import RunTracer, tracer_provider, tracing_wanted
 from fsm_kernel.tools.mcp_client import McpServers
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
-from fsm_kernel.workflow.spec import WorkflowSpec
+from fsm_kernel.workflow.spec import NotifySpec, WorkflowSpec
 
 __all__ = [
     "Agent",
@@ -185,6 +186,8 @@ class Agent:
             (`result.status == "waiting"`) until `resume(run_id, answer=...)`.
         otel: trace every run with OpenTelemetry (True), never (False), or when the standard
             OTEL_* environment asks for it (None, the default); see fsm_kernel.telemetry.
+        notify: webhooks told about the runs, besides the workflow's own `notify:` (see
+            fsm_kernel.notify).
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class Agent:
         on_event: Watcher | None = None,
         human: HumanChannel | None = None,
         otel: bool | None = None,
+        notify: Sequence[NotifySpec] = (),
     ) -> None:
         self.spec = workflow if isinstance(workflow, WorkflowSpec) else load_spec(str(workflow))
         self.options = RunOptions(
@@ -229,8 +233,8 @@ class Agent:
         self._chat_model = chat_model
         self._human = human
         self._owned = _Owned()
-        self._on_event = self._traced(on_event, otel)
         self.store = self._open_store(store)
+        self._on_event = self._watchers(on_event, otel, [*self.spec.notify, *notify])
         self._mcp = McpServers(self.spec.mcp_servers)
         """The workflow's MCP servers: started on the first run, stopped with the agent."""
         self._owned.closers.append(self._mcp.aclose)
@@ -370,23 +374,31 @@ class Agent:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _traced(self, on_event: Watcher | None, otel: bool | None) -> Watcher | None:
-        """`on_event`, and OpenTelemetry spans of every run when tracing is wanted."""
-        if not tracing_wanted(otel):
-            return on_event
-        provider, flush = tracer_provider()
-        if flush is not None:
-            self._owned.closers.append(flush)
-        tracer = RunTracer(provider)
-        if on_event is None:
-            return tracer
-        watch = on_event
+    def _watchers(
+        self, on_event: Watcher | None, otel: bool | None, hooks: Sequence[NotifySpec]
+    ) -> Watcher | None:
+        """What watches every run: `on_event`, OpenTelemetry spans when tracing is wanted, and
+        the webhooks of `notify:` (told in the background; closing waits a little for them)."""
+        watchers: list[Watcher] = [on_event] if on_event is not None else []
+        if tracing_wanted(otel):
+            provider, flush = tracer_provider()
+            if flush is not None:
+                self._owned.closers.append(flush)
+            watchers.append(RunTracer(provider))
+        if hooks:
+            notifier = Notifier(
+                hooks, store=self.store, is_success=self.spec.is_success, workflow=self.spec.name
+            )
+            self._owned.closers.append(notifier.aclose)
+            watchers.append(notifier)
+        if len(watchers) <= 1:
+            return watchers[0] if watchers else None
 
-        def both(item: Event | TextDelta) -> None:
-            watch(item)
-            tracer(item)
+        def every(item: Event | TextDelta) -> None:
+            for watch in watchers:
+                watch(item)
 
-        return both
+        return every
 
     def _open_store(self, store: str | Path | EventStore | None) -> EventStore | None:
         if store is None or isinstance(store, EventStore):

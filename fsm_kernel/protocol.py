@@ -286,11 +286,17 @@ class EventType(StrEnum):
     child starts, so a resume of this run finds the child again)."""
     CHILD_FINISHED = "child.finished"
     """A child run ended (or waits for a person): its reason, answer and output."""
+    NOTIFY_ATTEMPTED = "notify.attempted"
+    """A `notify:` webhook was POSTed (after the run ended or suspended): the outcome of one
+    attempt."""
 
 
-LIVE_ONLY_EVENTS = frozenset({EventType.MODEL_FAILED, EventType.MODEL_NOTICE})
-"""Events about the live model call (a failure, a stream fallback): a re-drive from recorded
-answers never reproduces them, so resume does not expect them back."""
+LIVE_ONLY_EVENTS = frozenset(
+    {EventType.MODEL_FAILED, EventType.MODEL_NOTICE, EventType.NOTIFY_ATTEMPTED}
+)
+"""Events about the live model call (a failure, a stream fallback) and the webhooks told about
+the run: a re-drive from recorded answers never reproduces them, so resume does not expect them
+back."""
 
 EVENT_SCHEMA_VERSION = 1
 

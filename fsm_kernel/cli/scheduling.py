@@ -70,6 +70,7 @@ async def _run_agent(
         timeout=float(config.timeout_seconds),
         tools=state_tools(config.state_file),
         store=config.store,
+        notify=config.run_hooks(),
     )
     async with workflow:
         with dispatch_span(agent.agent_id):  # the run joins the dispatch's trace
@@ -178,7 +179,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
                               on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
         _install_stop(scheduler.stop)
         if args.once:
-            return await scheduler.run_cycle()
+            result = await scheduler.run_cycle()
+            await scheduler.settle()
+            return result
         print(
             f"scheduler {config.kernel_id}: schedule '{config.schedule}', "
             f"state {config.state_file}",

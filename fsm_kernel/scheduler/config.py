@@ -37,6 +37,7 @@ from fsm_kernel.workflow.loader import (
     compose_yaml,
     read_yaml_file,
 )
+from fsm_kernel.workflow.spec import NotifySpec
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -108,6 +109,21 @@ class SchedulerConfig(BaseModel):
     postgresql:// URL: the dispatch queue and the agents' event log. The default (from
     FSM_KERNEL_STORE) is checked too, so a bad one fails at load and creates no file."""
     agents: tuple[AgentSpec, ...] = ()
+    notify: tuple[NotifySpec, ...] = ()
+    """Webhooks told when a dispatch fails (`dispatch_failed`) and when a dispatched run ends
+    or waits for a person (`ended`, `failed`, `waiting`); a failed run of a hook that also
+    wants dispatch_failed is told once, as dispatch_failed."""
+
+    def run_hooks(self) -> list[NotifySpec]:
+        """The hooks a dispatched run tells itself (the dispatch tells dispatch_failed)."""
+        out = []
+        for hook in self.notify:
+            on = [e for e in hook.on if e != "dispatch_failed"]
+            if "dispatch_failed" in hook.on:
+                on = [e for e in on if e != "failed"]
+            if on:
+                out.append(hook.model_copy(update={"on": on}))
+        return out
 
     @field_validator("store")
     @classmethod

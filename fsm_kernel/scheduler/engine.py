@@ -171,6 +171,10 @@ class Scheduler:
             # it); a cycle for "now" (--once) always dispatches, however soon after the last.
             return await self._cycle(tick, scheduled=now is not None)
 
+    async def settle(self) -> None:
+        """Wait a little for the `notify:` webhooks still being told (before exiting)."""
+        await self._executor.settle()
+
     async def run_forever(self, stop_event: asyncio.Event | None = None) -> None:
         """Tick until `stop_event` is set or stop() is called, then let the running cycle end."""
         watcher = asyncio.create_task(self._watch(stop_event)) if stop_event else None
@@ -196,6 +200,7 @@ class Scheduler:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            await self.settle()
 
     async def _cycle(self, tick: datetime, *, scheduled: bool = True) -> CycleResult:
         state = await asyncio.to_thread(self._prepare_and_read_state)

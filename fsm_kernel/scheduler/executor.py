@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any
 
 from fsm_kernel.errors import StoreConflictError, StoreError
+from fsm_kernel.notify import DispatchNotifier
 from fsm_kernel.scheduler.config import AgentSpec, SchedulerConfig
 from fsm_kernel.scheduler.queue import CANCELLED_RUNNING, Dispatch, DispatchQueue, DispatchStatus
 
@@ -119,6 +120,13 @@ class DispatchExecutor:
         self.runner = runner
         self.worker_id = worker_id
         self._cancels: dict[str, asyncio.Event] = {}
+        self.notifier = DispatchNotifier(config.notify, config.store) if config.notify else None
+        """Tells the config's `notify:` webhooks about failed dispatches."""
+
+    async def settle(self) -> None:
+        """Wait a little for the webhooks still being told (before the process exits)."""
+        if self.notifier is not None:
+            await self.notifier.aclose()
 
     def request_cancel(self, dispatch_id: str) -> bool:
         """Stop the run of a dispatch this executor is running (a cancel was requested); False
@@ -227,6 +235,16 @@ class DispatchExecutor:
             status.value,
             outcome.termination_reason or outcome.error or "",
         )
+        if status is ExecutionStatus.FAILED and self.notifier is not None:
+            agent = self.config.agent(dispatch.agent_id)
+            self.notifier.failed(
+                agent_id=dispatch.agent_id,
+                dispatch_id=dispatch.dispatch_id,
+                workflow=agent.workflow if agent is not None else "",
+                run_id=outcome.run_id,
+                reason=outcome.termination_reason,
+                error=outcome.error,
+            )
         return _detail(dispatch, status, outcome=outcome)
 
 

@@ -106,6 +106,7 @@ class Worker:
                 if helper is not None:
                     helper.cancel()
                     await asyncio.gather(helper, return_exceptions=True)
+            await self._executor.settle()
             logger.info("worker %s stopped", self.worker_id)
 
     async def _loop(self) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "ErrorKind",
     "Limits",
     "McpServerSpec",
+    "NotifySpec",
     "ReasonSpec",
     "RetrySpec",
     "SourceLocation",
@@ -310,6 +311,49 @@ class McpServerSpec(_Model):
             "cwd": self.cwd,
             "env": sorted(self.env),
         }
+
+
+NOTIFY_EVENTS = ("ended", "failed", "waiting", "dispatch_failed")
+"""What a `notify:` webhook may be sent for: a run ended (any reason), ended without success,
+waits for a person; a scheduler's dispatch failed."""
+
+
+NotifyEvent = Literal["ended", "failed", "waiting", "dispatch_failed"]
+_NOTIFY_DEFAULT: tuple[NotifyEvent, ...] = ("failed", "waiting", "dispatch_failed")
+
+
+class NotifySpec(_Model):
+    """A webhook told when a run ends, fails or waits (and, in a scheduler config, when a
+    dispatch fails)."""
+
+    url: str = Field(
+        pattern=r"^(https?://|\$\{)",
+        description="Where to POST; ${NAME} takes an environment variable (a Slack webhook URL "
+        "is a secret: keep it in the environment). Never recorded whole: the log keeps its "
+        "scheme and host",
+    )
+    on: list[NotifyEvent] = Field(
+        default_factory=lambda: list(_NOTIFY_DEFAULT),
+        min_length=1,
+        description="ended (every ending), failed (an ending that is not a success), waiting "
+        "(for a person), dispatch_failed (scheduler configs). Default: failed, waiting, "
+        "dispatch_failed",
+    )
+    format: Literal["json", "slack"] = Field(
+        default="json",
+        description="json: the run's id, workflow, status, reason, answer (cut to 500 "
+        "characters), error and a hint; slack: a {text} message for a Slack incoming webhook",
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Headers of the POST; ${NAME} takes an environment variable (never logged)",
+    )
+    retries: int = Field(
+        default=3, ge=0, le=10, strict=True, description="Attempts after the first that failed"
+    )
+    timeout_seconds: float = Field(
+        default=5.0, gt=0, le=120, allow_inf_nan=False, description="Seconds for one attempt"
+    )
 
 
 class Limits(_Model):
@@ -617,6 +661,12 @@ class WorkflowSpec(_Model):
         default_factory=list,
         description="Built-in tool names or package.module:function, or mappings "
         "{name: ..., approval: required} for tools a person must approve before each call",
+    )
+    notify: list[NotifySpec] = Field(
+        default_factory=list,
+        description="Webhooks told when a run of this workflow ends, fails or waits for a "
+        "person: a POST in the background, retried with backoff, never delaying or failing the "
+        "run; each attempt is recorded as a notify.attempted event",
     )
     mcp_servers: dict[str, McpServerSpec] = Field(
         default_factory=dict,
