@@ -188,6 +188,8 @@ class Agent:
             OTEL_* environment asks for it (None, the default); see fsm_kernel.telemetry.
         notify: webhooks told about the runs, besides the workflow's own `notify:` (see
             fsm_kernel.notify).
+        mcp_servers: the workflow's MCP servers, shared with other agents and closed by the
+            caller (default: the agent starts its own on the first run and stops them).
     """
 
     def __init__(
@@ -213,6 +215,7 @@ class Agent:
         human: HumanChannel | None = None,
         otel: bool | None = None,
         notify: Sequence[NotifySpec] = (),
+        mcp_servers: McpServers | None = None,
     ) -> None:
         self.spec = workflow if isinstance(workflow, WorkflowSpec) else load_spec(str(workflow))
         self.options = RunOptions(
@@ -235,9 +238,11 @@ class Agent:
         self._owned = _Owned()
         self.store = self._open_store(store)
         self._on_event = self._watchers(on_event, otel, [*self.spec.notify, *notify])
-        self._mcp = McpServers(self.spec.mcp_servers)
-        """The workflow's MCP servers: started on the first run, stopped with the agent."""
-        self._owned.closers.append(self._mcp.aclose)
+        self._mcp = mcp_servers or McpServers(self.spec.mcp_servers)
+        """The workflow's MCP servers: started on the first run, stopped with the agent (unless
+        the caller shares its own across agents: the scheduler, once per process)."""
+        if mcp_servers is None:
+            self._owned.closers.append(self._mcp.aclose)
         self.kernel = self._kernel(self.options)
 
     # -- life cycle -------------------------------------------------------------------------

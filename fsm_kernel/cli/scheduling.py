@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from fsm_kernel.api import Agent
-from fsm_kernel.bootstrap import RunOptions, resolve_workflow
+from fsm_kernel.bootstrap import RunOptions, load_spec, resolve_workflow
 from fsm_kernel.cli.output import cut
 from fsm_kernel.errors import ScheduleError, StoreConflictError
 from fsm_kernel.scheduler import (
-    AgentRunner,
     AgentSpec,
     CycleResult,
     Dispatch,
@@ -35,6 +34,7 @@ from fsm_kernel.scheduler import (
     state_tools,
 )
 from fsm_kernel.telemetry import dispatch_span
+from fsm_kernel.tools.mcp_client import McpServers
 
 EXIT_OK, EXIT_FAIL = 0, 1
 _DISPATCH_ID = re.compile(r"[0-9A-Fa-f-]{1,36}")
@@ -42,35 +42,48 @@ _DISPATCH_ID = re.compile(r"[0-9A-Fa-f-]{1,36}")
 logger = logging.getLogger(__name__)
 
 
-def make_runner(config: SchedulerConfig, config_path: Path, options: RunOptions) -> AgentRunner:
+class DispatchRunner:
     """One dispatch = one kernel run of the agent's workflow, recorded in the config's store,
     with the STATE.md tools added. A dispatch that cannot even start (its workflow does not
     load, the store is down) fails in the executor with one WARNING line (traceback at -v).
-    """
+    Each workflow's MCP servers start once for the process (`aclose` stops them)."""
 
-    async def run(agent: AgentSpec, prompt: str) -> RunOutcome:
-        return await _run_agent(config, config_path, options, agent, prompt)
+    def __init__(self, config: SchedulerConfig, config_path: Path, options: RunOptions) -> None:
+        self.config, self.config_path, self.options = config, config_path, options
+        self.mcp: dict[str, McpServers] = {}
 
-    return run
+    async def __call__(self, agent: AgentSpec, prompt: str) -> RunOutcome:
+        return await _run_agent(self, agent, prompt)
+
+    async def aclose(self) -> None:
+        servers, self.mcp = list(self.mcp.values()), {}
+        for each in servers:
+            await each.aclose()
 
 
-async def _run_agent(
-    config: SchedulerConfig,
-    config_path: Path,
-    options: RunOptions,
-    agent: AgentSpec,
-    prompt: str,
-) -> RunOutcome:
+def make_runner(
+    config: SchedulerConfig, config_path: Path, options: RunOptions
+) -> DispatchRunner:
+    """The runner of the config's dispatches (see DispatchRunner)."""
+    return DispatchRunner(config, config_path, options)
+
+
+async def _run_agent(runner: DispatchRunner, agent: AgentSpec, prompt: str) -> RunOutcome:
     # The same public API as `fsm-kernel run` and users' Python code: the workflow's folder is
     # importable (its own `package.module:function` code), the store and client are closed.
+    config, options = runner.config, runner.options
+    path = str(_agent_workflow(agent.workflow, runner.config_path))
+    spec = load_spec(path)
+    servers = runner.mcp.setdefault(path, McpServers(spec.mcp_servers))
     workflow = Agent(
-        str(_agent_workflow(agent.workflow, config_path)),
+        spec,
         model=options.model,
         base_url=options.base_url,
         timeout=float(config.timeout_seconds),
         tools=state_tools(config.state_file),
         store=config.store,
         notify=config.run_hooks(),
+        mcp_servers=servers,
     )
     async with workflow:
         with dispatch_span(agent.agent_id):  # the run joins the dispatch's trace
@@ -92,7 +105,7 @@ def _agent_workflow(name: str, config_path: Path) -> Path:
     return beside if beside.is_file() else resolve_workflow(name)
 
 
-def _setup(args: argparse.Namespace) -> tuple[SchedulerConfig, Any, AgentRunner]:
+def _setup(args: argparse.Namespace) -> tuple[SchedulerConfig, Any, DispatchRunner]:
     path = Path(args.config)
     config = load_scheduler_config(path)
     for agent in config.agents:  # fail before the first tick, with the agent named
@@ -178,17 +191,20 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         scheduler = Scheduler(config, queue, runner,
                               on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
         _install_stop(scheduler.stop)
-        if args.once:
-            result = await scheduler.run_cycle()
-            await scheduler.settle()
-            return result
-        print(
-            f"scheduler {config.kernel_id}: schedule '{config.schedule}', "
-            f"state {config.state_file}",
-            file=sys.stderr,
-        )
-        await scheduler.run_forever()
-        return None
+        try:
+            if args.once:
+                result = await scheduler.run_cycle()
+                await scheduler.settle()
+                return result
+            print(
+                f"scheduler {config.kernel_id}: schedule '{config.schedule}', "
+                f"state {config.state_file}",
+                file=sys.stderr,
+            )
+            await scheduler.run_forever()
+            return None
+        finally:
+            await runner.aclose()
 
     try:
         result = asyncio.run(go())
@@ -213,7 +229,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                   flush=True))  # fmt: skip
         _install_stop(worker.stop)
         print(f"worker for {config.kernel_id} started (Ctrl-C to stop)", file=sys.stderr)
-        await worker.run()
+        try:
+            await worker.run()
+        finally:
+            await runner.aclose()
 
     try:
         asyncio.run(go())

@@ -74,6 +74,9 @@ def _http(port: int) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("MCP_TEST_STARTS"):  # count the processes started
+        with open(os.environ["MCP_TEST_STARTS"], "a") as starts:
+            starts.write(f"{os.getpid()}\n")
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, metavar="PORT")
     options = parser.parse_args()

@@ -307,3 +307,43 @@ def test_events_record_mcp_calls_like_any_tool(
     finished = next(e.data for e in log if e.type is EventType.TOOL_FINISHED)
     assert finished["call"]["name"] == "echo"
     assert finished["result"]["content"] == "calc says hi"
+
+
+SCHEDULER = """kernel_id: mcp
+schedule: "*/10 * * * *"
+state_dir: state
+store: kernel.db
+timeout_seconds: 60
+agents:
+  - {{agent_id: first, workflow: {workflow}, prompt: "FIRST {{STATE}}"}}
+  - {{agent_id: second, workflow: {workflow}, prompt: "SECOND {{STATE}}"}}
+"""
+
+
+def test_a_scheduler_starts_each_workflows_servers_once_for_the_process(
+    capsys: pytest.CaptureFixture[str],
+    fake: FakeOpenAIServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    starts = tmp_path / "starts.txt"
+    server = stdio(env={"MCP_TEST_STARTS": str(starts)})
+    path = workflow(tmp_path, {"calc": server}, ["mcp:calc/add"])
+    (tmp_path / "sched.yaml").write_text(SCHEDULER.format(workflow=path))
+
+    def reply(request: dict[str, Any]) -> Any:
+        if request["messages"][-1]["role"] == "tool":
+            return text_reply("added")
+        return tool_reply(call("add", {"a": 1, "b": 2}, id="c1"))
+
+    fake.enqueue(*[reply] * 4)
+
+    outcome = cli(capsys, "schedule", "sched.yaml", "--once", "--base-url", fake.base_url)
+
+    assert outcome.code == 0, outcome.err
+    tool_results = [
+        r["messages"][-1]["content"] for r in fake.requests if r["messages"][-1]["role"] == "tool"
+    ]
+    assert tool_results == ["3", "3"]  # both dispatches called it
+    assert len(starts.read_text().split()) == 1  # one server process for both
