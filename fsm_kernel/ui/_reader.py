@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import cache
@@ -61,6 +62,39 @@ def status_class(status: str) -> str:
     if status in TERMINATION_REASONS:
         return "failed"
     return "ended"  # a workflow's own reason: success or not is the workflow's to say
+
+
+@dataclass(frozen=True)
+class ChildLink:
+    """A child run as its parent's page lists it."""
+
+    run_id: str
+    workflow: str
+    item: int | None
+    """Its item's number (from 1) in a workflow.map; None for a workflow.call."""
+    reason: str | None
+    """How it ended, once the parent recorded it (child.finished)."""
+
+
+def _children(events: Sequence[Event]) -> list[ChildLink]:
+    started: dict[str, ChildLink] = {}
+    for e in events:
+        if e.type == EventType.CHILD_STARTED:
+            item = e.data.get("item")
+            run_id = str(e.data.get("run_id"))
+            started[run_id] = ChildLink(
+                run_id,
+                str(e.data.get("workflow") or ""),
+                None if item is None else int(item) + 1,
+                None,
+            )
+        elif e.type == EventType.CHILD_FINISHED and str(e.data.get("run_id")) in started:
+            link = started[str(e.data["run_id"])]
+            reason = e.data.get("reason")
+            started[link.run_id] = ChildLink(
+                link.run_id, link.workflow, link.item, str(reason) if reason else "not started"
+            )
+    return list(started.values())
 
 
 @dataclass(frozen=True)
@@ -125,6 +159,8 @@ class RunView:
     error: str | None
     resumable: bool
     parent_run_id: str | None
+    children: list[ChildLink]
+    """The child runs it started (workflow.call, workflow.map), in the order it started them."""
     dispatch: Dispatch | None
     """The scheduler dispatch this run came from, when known (once it finished)."""
     waiting: WaitingFor | None
@@ -158,8 +194,10 @@ def _last(events: list[Event], kind: str) -> Event | None:
 
 def _model_line(settings: dict[str, Any]) -> str:
     local = settings.get("local")
-    where = f"in-process llama.cpp, {local.get('model')}" if isinstance(local, dict) else (
-        str(settings.get("base_url") or "")
+    where = (
+        f"in-process llama.cpp, {local.get('model')}"
+        if isinstance(local, dict)
+        else (str(settings.get("base_url") or ""))
     )
     return f"{settings.get('model') or '?'} ({where})" if settings else ""
 
@@ -277,6 +315,7 @@ class UiReader:
             error=_text(end.data.get("error")) if end else None,
             resumable=end is None or bool(end.data.get("resumable")),
             parent_run_id=_text(started.get("parent_run_id")),
+            children=_children(events),
             dispatch=self._dispatch_of(run_id),
             waiting=WaitingFor.from_event(suspended) if suspended and status == WAITING else None,
             current_state=current,

@@ -345,3 +345,24 @@ def test_a_postgresql_store_and_its_dispatches_are_served(
     assert text_of(run_page, "run-dispatch") == dispatch.dispatch_id[:8]
     rows = dict(table_rows(get(url, "/scheduler").text, "data-dispatch-id"))
     assert rows[dispatch.dispatch_id][1:3] == ["writer", "done"]
+
+
+def test_a_parent_run_lists_its_child_runs_and_each_child_links_back(
+    store: Path, serve: ViewerFactory
+) -> None:
+    fanout = Path(__file__).parents[1] / "data" / "children" / "fanout.yaml"
+    plan = text_reply(json.dumps({"steps": ["a", "b"]}))
+    run = record(store, plan, text_reply("did a"), text_reply("did b"), text_reply("sum"),
+                 workflow=str(fanout))  # fmt: skip
+    url = base_url(serve(store=str(store)))
+
+    html = get(url, f"/runs/{run.run_id}").text
+
+    children = html[html.index('id="run-children"') :]
+    children = children[: children.index("</ul>")]
+    links = re.findall(r'<a class="mono" href="/runs/([0-9a-f-]+)">', children)
+    assert len(links) == 2
+    assert re.findall(r"item (\d) step.yaml", children) == ["1", "2"]
+    assert children.count("final_answer") == 2
+    child = get(url, f"/runs/{links[0]}").text
+    assert f'href="/runs/{run.run_id}"' in child

@@ -184,6 +184,7 @@ def test_event_types_are_a_stored_schema() -> None:
         "context.trimmed",
         "child.started",
         "child.finished",
+        "notify.attempted",
     ]
 
 
