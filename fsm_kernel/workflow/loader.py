@@ -315,7 +315,8 @@ def stock_workflow_names() -> list[str]:
 def find_workflow(ref: str | Path, *, relative_to: str | Path | None = None) -> Path:
     """The workflow file `ref` names: a path that exists (relative to the folder of the file
     `relative_to`, a calling workflow, first; then to the current directory), else a stock
-    workflow by name ("react" or "react.yaml").
+    workflow by name ("react" or "react.yaml"). With `relative_to`, the path is absolute (a
+    child run records it, and its replay may run elsewhere).
 
     Raises:
         WorkflowValidationError: no such file or stock workflow, or `ref` is a folder.
@@ -325,8 +326,8 @@ def find_workflow(ref: str | Path, *, relative_to: str | Path | None = None) -> 
     if relative_to is not None and not path.is_absolute():
         candidates.insert(0, Path(relative_to).parent / path)
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate
+        if candidate.is_file():  # a called workflow by its absolute path: replay finds it anywhere
+            return candidate.resolve() if relative_to is not None else candidate
         if candidate.is_dir():
             raise WorkflowValidationError(f"{ref}: is a folder; give a workflow .yaml file")
     stock = package_data_dir("workflows")
