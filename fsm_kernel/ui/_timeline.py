@@ -42,7 +42,7 @@ class Entry:
 
     kind: str
     """start, model, tool, transition, message, notice, iteration, resumed, waiting, answered,
-    end, or event (anything else, shown as its JSON)."""
+    child, child-end, notified, end, or event (anything else, shown as its JSON)."""
     seq: int
     ts: datetime
     state: str | None
@@ -243,6 +243,19 @@ def _answered(b: _Builder, event: Event) -> None:
     b.entry("answered", event, dict(event.data))
 
 
+def _child(b: _Builder, event: Event) -> None:
+    """A child run started or ended (workflow.call, workflow.map): its link and outcome."""
+    kind = "child" if event.type is EventType.CHILD_STARTED else "child-end"
+    data = dict(event.data)
+    if "item" in data:
+        data["item"] = int(data["item"]) + 1
+    b.entry(kind, event, data)
+
+
+def _notified(b: _Builder, event: Event) -> None:
+    b.entry("notified", event, dict(event.data))
+
+
 def _generic(b: _Builder, event: Event) -> None:
     if event.type is EventType.STATE_ENTERED:
         return  # the transitions say it, with their guards
@@ -264,6 +277,9 @@ _HANDLERS = {
     EventType.RUN_TERMINATED.value: _terminated,
     RUN_SUSPENDED: _suspended,
     HUMAN_ANSWERED: _answered,
+    EventType.CHILD_STARTED.value: _child,
+    EventType.CHILD_FINISHED.value: _child,
+    EventType.NOTIFY_ATTEMPTED.value: _notified,
 }
 
 

@@ -366,3 +366,22 @@ def test_a_parent_run_lists_its_child_runs_and_each_child_links_back(
     assert children.count("final_answer") == 2
     child = get(url, f"/runs/{links[0]}").text
     assert f'href="/runs/{run.run_id}"' in child
+
+
+def test_the_timeline_shows_child_runs_starting_and_ending(
+    store: Path, serve: ViewerFactory
+) -> None:
+    delegate = Path(__file__).parents[1] / "data" / "children" / "delegate.yaml"
+    run = record(store, text_reply("the child's answer"), workflow=str(delegate))
+    url = base_url(serve(store=str(store)))
+
+    html = get(url, f"/runs/{run.run_id}").text
+
+    timeline = html[html.index('id="run-timeline"') :]
+    entries = re.findall(r'<div class="entry child"[^>]*>.*?</div>', timeline, re.DOTALL)
+    assert len(entries) == 2
+    started, ended = entries
+    assert re.search(r'child run <a class="mono" href="/runs/[0-9a-f-]+">', started)
+    assert 'of step.yaml: <span class="dim">Please do: What time is it?</span>' in started
+    assert "final_answer" in ended
+    assert "the child&#39;s answer" in ended
