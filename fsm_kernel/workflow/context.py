@@ -278,5 +278,7 @@ class RunContext:
 
     def messages_for_model(self) -> list[Message]:
         """System prompt (with memory) followed by the conversation so far."""
-        head = [Message.system(self.system_prompt)] if self.system_prompt else []
-        return head + self.session.messages()
+        messages = self.session.messages()  # a copy of its own: one copy, not two
+        if self.system_prompt:
+            messages.insert(0, Message.system(self.system_prompt))
+        return messages
