@@ -16,7 +16,8 @@ Four parts (`--parts overhead,growth,concurrency,startup` picks some):
    and wchar, bytes handed to write calls, including closing the store) and the store's size;
    medians of per-round ratios against the floor and each peer. Every run's final
    conversation is checked against the reference.
-2. growth: one run of --growth-n (1,000) iterations per contender; cycle time (model call to
+2. growth: --growth-rounds (3) runs of --growth-n (1,000) iterations per contender, the round
+   with the median ratio reported; cycle time (model call to
    model call) and bytes per iteration at iterations 1-10 against the last 10 (medians of the
    windows), written (wchar) and stored (the payload each framework stores per iteration; for
    LangGraph and Burr, checkpoints and writes grouped by step, two steps an iteration).
@@ -248,50 +249,69 @@ def _window(values: Sequence[float], first: bool, size: int = 10) -> float:
     return _median(part)
 
 
-def growth(workers: dict[str, Worker], n: int) -> dict[str, Any]:
+def growth(workers: dict[str, Worker], n: int, rounds: int = 3) -> dict[str, Any]:
+    """Each contender's growth, `rounds` times (round-robin): the round whose last-100 /
+    first-100 time ratio is the median is reported, with every round's ratios beside it (one
+    round on a noisy 2-core machine swings by 30%)."""
+    per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
+    for _ in range(rounds):
+        for name, worker in workers.items():
+            per_round[name].append(_growth_round(name, worker, n))
     results: dict[str, Any] = {}
-    for name, worker in workers.items():
-        t0 = time.perf_counter()
-        out = worker.ask(n, sample_io=True, stored=True)
-        if "error" in out:
-            raise RuntimeError(f"{name}: {out['error']}")
-        calls = out["calls"]
-        cycles = [(b - a) * 1e6 for a, b in itertools.pairwise(calls[: n + 1])]
-        io = out["io"]
-        written = [float(b[1] - a[1]) for a, b in itertools.pairwise(io[: n + 1])]
-        disk = [float(b[0] - a[0]) for a, b in itertools.pairwise(io[: n + 1])]
-        stored = out.get("stored_per_iteration")
-        entry: dict[str, Any] = {
-            "label": LABELS.get(name, name),
-            "history_ok": out["ok"],
-            "seconds": round(time.perf_counter() - t0, 2),
-            "us_per_iteration": out["seconds"] / n * 1e6,
-            "cycle_us_first10": _window(cycles, True),
-            "cycle_us_last10": _window(cycles, False),
-            # Medians too: a checkpoint (SQLite) or a page split lands in one window or not.
-            "wchar_first10": _window(written, True),
-            "wchar_last10": _window(written, False),
-            "write_bytes_first10": _window(disk, True),
-            "write_bytes_last10": _window(disk, False),
-            "wchar_mean_first100": sum(written[:100]) / len(written[:100]),
-            "wchar_mean_last100": sum(written[-100:]) / len(written[-100:]),
-            "store_bytes": out["store_bytes"],
-        }
-        entry["time_ratio"] = entry["cycle_us_last10"] / entry["cycle_us_first10"]
-        # The same over 100 iterations: ten samples on a noisy 2-core machine swing by 15%.
-        entry["cycle_us_first100"] = _window(cycles, True, 100)
-        entry["cycle_us_last100"] = _window(cycles, False, 100)
-        entry["time_ratio_100"] = entry["cycle_us_last100"] / entry["cycle_us_first100"]
-        if entry["wchar_first10"]:
-            entry["wchar_ratio"] = entry["wchar_last10"] / entry["wchar_first10"]
-        if stored:
-            body = stored[1 : n + 1]
-            entry["stored_first10"] = _window(body, True)
-            entry["stored_last10"] = _window(body, False)
-            entry["stored_ratio"] = entry["stored_last10"] / entry["stored_first10"]
+    for name, entries in per_round.items():
+        ordered = sorted(entries, key=lambda e: e["time_ratio_100"])
+        entry = dict(ordered[len(ordered) // 2])
+        entry["rounds_time_ratio"] = [round(e["time_ratio"], 3) for e in entries]
+        entry["rounds_time_ratio_100"] = [round(e["time_ratio_100"], 3) for e in entries]
         results[name] = entry
-        print(f"  growth {name}: {entry['seconds']} s, x{entry['time_ratio']:.2f}", file=sys.stderr)
-    return {"n": n, "contenders": results}
+        print(
+            f"  growth {name}: x{entry['time_ratio']:.2f} (rounds {entry['rounds_time_ratio']}), "
+            f"x{entry['time_ratio_100']:.2f} over 100 (rounds {entry['rounds_time_ratio_100']})",
+            file=sys.stderr,
+        )
+    return {"n": n, "rounds": rounds, "contenders": results}
+
+
+def _growth_round(name: str, worker: Worker, n: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = worker.ask(n, sample_io=True, stored=True)
+    if "error" in out:
+        raise RuntimeError(f"{name}: {out['error']}")
+    calls = out["calls"]
+    cycles = [(b - a) * 1e6 for a, b in itertools.pairwise(calls[: n + 1])]
+    io = out["io"]
+    written = [float(b[1] - a[1]) for a, b in itertools.pairwise(io[: n + 1])]
+    disk = [float(b[0] - a[0]) for a, b in itertools.pairwise(io[: n + 1])]
+    stored = out.get("stored_per_iteration")
+    entry: dict[str, Any] = {
+        "label": LABELS.get(name, name),
+        "history_ok": out["ok"],
+        "seconds": round(time.perf_counter() - t0, 2),
+        "us_per_iteration": out["seconds"] / n * 1e6,
+        "cycle_us_first10": _window(cycles, True),
+        "cycle_us_last10": _window(cycles, False),
+        # Medians too: a checkpoint (SQLite) or a page split lands in one window or not.
+        "wchar_first10": _window(written, True),
+        "wchar_last10": _window(written, False),
+        "write_bytes_first10": _window(disk, True),
+        "write_bytes_last10": _window(disk, False),
+        "wchar_mean_first100": sum(written[:100]) / len(written[:100]),
+        "wchar_mean_last100": sum(written[-100:]) / len(written[-100:]),
+        "store_bytes": out["store_bytes"],
+    }
+    entry["time_ratio"] = entry["cycle_us_last10"] / entry["cycle_us_first10"]
+    # The same over 100 iterations: ten samples on a noisy 2-core machine swing by 15%.
+    entry["cycle_us_first100"] = _window(cycles, True, 100)
+    entry["cycle_us_last100"] = _window(cycles, False, 100)
+    entry["time_ratio_100"] = entry["cycle_us_last100"] / entry["cycle_us_first100"]
+    if entry["wchar_first10"]:
+        entry["wchar_ratio"] = entry["wchar_last10"] / entry["wchar_first10"]
+    if stored:
+        body = stored[1 : n + 1]
+        entry["stored_first10"] = _window(body, True)
+        entry["stored_last10"] = _window(body, False)
+        entry["stored_ratio"] = entry["stored_last10"] / entry["stored_first10"]
+    return entry
 
 
 # --- 3. concurrency --------------------------------------------------------------------------
@@ -550,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=50, help="iterations per overhead run (50)")
     parser.add_argument("--rounds", type=int, default=15, help="overhead rounds (15)")
     parser.add_argument("--growth-n", type=int, default=1000)
+    parser.add_argument("--growth-rounds", type=int, default=3)
     parser.add_argument("--growth-contenders", help="comma-separated (default: all)")
     parser.add_argument("--runs", type=int, default=500, help="concurrent runs (500)")
     parser.add_argument("--conc-iterations", type=int, default=5)
@@ -611,7 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     names if args.growth_contenders is None else args.growth_contenders.split(",")
                 )
                 report["growth"] = growth(
-                    {k: v for k, v in workers.items() if k in chosen}, args.growth_n
+                    {k: v for k, v in workers.items() if k in chosen},
+                    args.growth_n,
+                    args.growth_rounds,
                 )
         finally:
             for w in workers.values():
