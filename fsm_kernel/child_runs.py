@@ -4,7 +4,8 @@ runs of one Agent (so for the CLI, the scheduler and users' code alike).
 A child run gets the parent's model server settings (model, base URL, key, timeouts, retries,
 workspace; not its limits, system prompt or memory, which are the child workflow's own) and
 the parent's store. Given the id its parent recorded, it is found in the store first: a child
-that ended is not run again (its outcome is read from its log), one that was cut off (killed,
+that ended is not run again (its outcome is read from its log, even an ending a direct `resume`
+could reopen, since that is the outcome the parent went on with), one that was cut off (killed,
 or waiting for a person with the answer now given) is resumed, and one the store does not
 have is started.
 """
@@ -92,7 +93,7 @@ class LiveChildren:
         """A child the store has: its outcome when it ended, else it goes on (resumed)."""
         assert self.store is not None
         spec = self._spec(run, path)
-        if not run.resumable:
+        if run.terminated is not None:  # it ended (even resumably): the parent saw this ending
             return _from_log(run, spec)
         answer = None
         if run.waiting_for is not None:

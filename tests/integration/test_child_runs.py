@@ -489,3 +489,65 @@ def test_progress_shows_each_child_once_started_and_once_ended(
     assert sum(1 for line in lines if line.startswith("run ")) == 1  # the children's own: not shown
     assert "  did a" not in lines  # nor their streamed text
     assert done.out.startswith("summary of the steps\n")
+
+
+def test_a_resumed_parent_keeps_the_ending_its_child_had(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    """A child that ended agent_error (which a direct resume could reopen) stays ended when its
+    parent is resumed: the parent already went on with that outcome."""
+    (tmp_path / "blocking.py").write_text(BLOCKING)
+    parent = tmp_path / "after.yaml"
+    parent.write_text(
+        "name: after\n"
+        "tools: ['blocking:slow']\n"
+        "initial: hand_over\n"
+        "states:\n"
+        f"  hand_over: {{action: workflow.call, workflow: {DATA / 'step.yaml'}}}\n"
+        "  work: {action: agent.think}\n"
+        "  act: {action: tools.execute}\n"
+        "  terminate: {final: true}\n"
+        "transitions:\n"
+        "  - {source: hand_over, target: work}\n"
+        "  - {source: work, target: act, guard: has_tool_calls}\n"
+        "  - {source: work, target: terminate, reason: final_answer}\n"
+        "  - {source: act, target: work}\n"
+    )
+    marks, block, store = tmp_path / "marks.txt", tmp_path / "block", tmp_path / "runs.db"
+    block.touch()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
+           "CR_MARKS": str(marks), "CR_BLOCK": str(block)}  # fmt: skip
+    server.enqueue(http_error(500), tool_reply(call("slow", {"tag": "t"}, id="t1")))
+    base = [sys.executable, "-m", "fsm_kernel"]
+    flags = ["--base-url", server.base_url, "--model", "m", "--store", str(store), "--json",
+             "--max-retries", "0"]  # fmt: skip
+    first = subprocess.Popen(
+        [*base, "run", str(parent), "-p", "go", *flags],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marks.exists():
+            assert time.monotonic() < deadline, "the parent's tool never started"
+            assert first.poll() is None, "the run ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.wait(timeout=10)
+    with SqliteEventStore(store) as events:
+        kid = next(r for r in events.list_runs() if r.parent_run_id)
+        top = next(r for r in events.list_runs() if r.parent_run_id is None)
+    assert kid.termination_reason == "agent_error"
+
+    block.unlink()
+    server.enqueue(text_reply("done despite the helper"))
+    done = subprocess.run(
+        [*base, "resume", top.run_id, "--store", str(store), "--json"],
+        env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert len(server.requests) == 3  # the child was not asked again
+    with SqliteEventStore(store) as events:
+        kid_log = events.read(kid.run_id)
+    assert not any(e.type is EventType.RUN_RESUMED for e in kid_log)
