@@ -24,8 +24,10 @@ from fsm_kernel.bootstrap import (
     RunOptions,
     attach_mcp,
     build_kernel,
+    build_tools,
     load_spec,
     recorded_options,
+    run_limits,
 )
 from fsm_kernel.child_runs import LiveChildren
 from fsm_kernel.errors import ConfigError
@@ -51,6 +53,7 @@ from fsm_kernel.replay import (
 from fsm_kernel.streaming import TextDelta
 from fsm_kernel.telemetry import RunTracer, tracer_provider, tracing_wanted
 from fsm_kernel.tools.mcp_client import McpServers
+from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanAnswer, HumanChannel
 from fsm_kernel.workflow.spec import NotifySpec, WorkflowSpec
 
@@ -243,7 +246,17 @@ class Agent:
         the caller shares its own across agents: the scheduler, once per process)."""
         if mcp_servers is None:
             self._owned.closers.append(self._mcp.aclose)
-        self.kernel = self._kernel(self.options)
+        build_tools(self.spec, self.options)  # a workflow's tool problems show here, at once
+        run_limits(self.spec, self.options)  # and so do bad limits
+        self._default_kernel: Kernel | None = None
+
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel of this agent's runs, with its options; built (the model client opened)
+        on first use, so an agent used only to resume or replay runs never builds it."""
+        if self._default_kernel is None:
+            self._default_kernel = self._kernel(self.options)
+        return self._default_kernel
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -375,7 +388,8 @@ class Agent:
     async def replay(self, run_id: str) -> ReplayReport:
         """Re-run a recorded run from its log (no model, no tools) and compare its steps."""
         store = self._require_store("replay")
-        return await replay_run(self.kernel.workflow, store, run_id)
+        workflow = self._default_kernel.workflow if self._default_kernel else None
+        return await replay_run(workflow or compile_workflow(self.spec), store, run_id)
 
     # -- building ---------------------------------------------------------------------------
 

@@ -43,11 +43,13 @@ __all__ = [
     "RunOptions",
     "attach_mcp",
     "build_kernel",
+    "build_tools",
     "list_stock_workflows",
     "load_spec",
     "mcp_refs",
     "recorded_options",
     "resolve_workflow",
+    "run_limits",
 ]
 
 logger = logging.getLogger(__name__)

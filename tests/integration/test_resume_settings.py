@@ -248,3 +248,36 @@ def test_a_flag_given_to_resume_overrides_and_is_recorded(
     marker = next(e for e in events_of(store, run_id) if e.type == EventType.RUN_RESUMED)
     assert marker.data["overrides"] == {"max_iterations": 4, "model": "other"}
     assert cli(capsys, "replay", run_id, "--store", str(store)).code == 0
+
+
+def test_resuming_builds_no_kernel_of_the_agents_own_settings(
+    server: FakeOpenAIServer,
+    store: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`resume` builds the run's kernel from what the run recorded; the agent's own (from the
+    CLI's flags and environment) is built only when it runs something: no bundled-model
+    notice, no probe of a default server, no client opened just to be thrown away."""
+    import asyncio
+
+    from fsm_kernel import Agent, bootstrap
+
+    server.enqueue(*clock_calls(1), http_error(503))
+    failed = run(capsys, store, server.base_url, "--max-retries", "0").json()
+    for name in ("FSM_KERNEL_BASE_URL", "FSM_KERNEL_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bootstrap, "local_model_available", lambda: True)
+    monkeypatch.setattr(bootstrap, "_server_answers", lambda url: False)
+    server.enqueue(text_reply("It is noon."))
+
+    async def resume() -> Any:
+        async with Agent(DEFAULT, store=str(store)) as agent:
+            return await agent.resume(failed["run_id"])
+
+    with caplog.at_level("WARNING"):
+        result = asyncio.run(resume())
+
+    assert result.response == "It is noon."
+    assert not [r for r in caplog.records if "bundled" in r.getMessage()]
