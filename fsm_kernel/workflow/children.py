@@ -305,6 +305,16 @@ def _wait_for(ctx: RunContext, results: Sequence[ChildResult]) -> None:
         )
 
 
+def _not_started(run_id: str, workflow: str) -> ChildResult:
+    return ChildResult(
+        run_id=run_id,
+        workflow=workflow,
+        reason=None,
+        ok=False,
+        error="not started: an earlier item failed (fail_fast)",
+    )
+
+
 def _shown(result: ChildResult) -> str:
     if result.ok:
         return result.answer
@@ -351,18 +361,14 @@ async def workflow_map(ctx: RunContext) -> None:
     gate = asyncio.Semaphore(spec.max_concurrency or DEFAULT_CONCURRENCY)
     failed = asyncio.Event()
     results: dict[int, ChildResult] = {}
+    began: set[int] = set()
 
     async def one(i: int) -> None:
         async with gate:
             if failed.is_set():  # fail_fast: an earlier item failed before this one began
-                result = ChildResult(
-                    run_id=ids[i],
-                    workflow=str(spec.workflow),
-                    reason=None,
-                    ok=False,
-                    error="not started: an earlier item failed (fail_fast)",
-                )
+                result = _not_started(ids[i], str(spec.workflow))
             else:
+                began.add(i)
                 result = await runner.run(_request(ctx, ids[i], prompts[i]))
         results[i] = result
         if not result.ok and result.waiting_for is None and spec.fail_fast:
@@ -376,12 +382,16 @@ async def workflow_map(ctx: RunContext) -> None:
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     for i, outcome in enumerate(outcomes):
         if isinstance(outcome, asyncio.CancelledError) and i not in results:
-            results[i] = ChildResult(
-                run_id=ids[i],
-                workflow=str(spec.workflow),
-                reason="cancelled",
-                ok=False,
-                error="cancelled: another item failed (fail_fast)",
+            results[i] = (
+                ChildResult(
+                    run_id=ids[i],
+                    workflow=str(spec.workflow),
+                    reason="cancelled",
+                    ok=False,
+                    error="cancelled: another item failed (fail_fast)",
+                )
+                if i in began
+                else _not_started(ids[i], str(spec.workflow))
             )
             await _finished(ctx, results[i], i)
         elif isinstance(outcome, BaseException):

@@ -1,0 +1,388 @@
+"""workflow.call / workflow.map on their own: templates, the budget a child gets, what the
+parent records and absorbs, fail_fast, a waiting child, with a fake ChildRunner (the end-to-end
+behaviour is in tests/integration/test_child_runs.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+import pytest
+
+from fsm_kernel.protocol import EventType, Usage
+from fsm_kernel.workflow.children import (
+    ChildRequest,
+    ChildResult,
+    TemplateError,
+    bounded_limits,
+    child_failed,
+    child_succeeded,
+    render,
+    template_names,
+    workflow_call,
+    workflow_map,
+)
+from fsm_kernel.workflow.context import RunContext, RunServices
+from fsm_kernel.workflow.human import Suspended
+from fsm_kernel.workflow.spec import Limits, StateSpec
+
+
+def result(run_id: str, *, ok: bool = True, answer: str = "", **more: Any) -> ChildResult:
+    reason = more.pop("reason", "final_answer" if ok else "tool_failures")
+    return ChildResult(run_id=run_id, workflow="step", reason=reason, ok=ok, answer=answer, **more)
+
+
+class FakeRunner:
+    """Answers each request with `decide(request)`, after `delay`; counts children at once."""
+
+    def __init__(self, decide: Callable[[ChildRequest], ChildResult], delay: float = 0.0):
+        self.decide = decide
+        self.delay = delay
+        self.requests: list[ChildRequest] = []
+        self.active = 0
+        self.peak = 0
+
+    async def run(self, request: ChildRequest) -> ChildResult:
+        self.requests.append(request)
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            return self.decide(request)
+        finally:
+            self.active -= 1
+
+
+def context(
+    runner: Any,
+    *,
+    state: StateSpec,
+    recorded: tuple[str, ...] = (),
+    limits: Limits | None = None,
+    **values: Any,
+) -> tuple[RunContext, list[tuple[EventType, dict[str, Any]]]]:
+    events: list[tuple[EventType, dict[str, Any]]] = []
+    services = RunServices(
+        record=lambda t, d: events.append((t, d)), children=runner, recorded_children=recorded
+    )
+    ctx = RunContext(
+        run_id="parent",
+        goal="build a shed",
+        workflow_path="/flows/parent.yaml",
+        limits=limits or Limits(max_iterations=10, timeout_seconds=0),
+        services=services,
+        state_spec=state,
+        current_state="work",
+        **values,
+    )
+    return ctx, events
+
+
+# --- templates ------------------------------------------------------------------------------
+
+
+class Plan(pydantic.BaseModel):
+    steps: list[str]
+
+
+def test_render_fills_each_placeholder_from_the_run() -> None:
+    ctx, _ = context(None, state=StateSpec(), answer="42", scratch={"who": "ann"})
+    ctx.last_output = {"steps": ["a", {"x": 1}], "n": 3}
+    ctx.children = [result("c1", answer="done", output={"k": "v"})]
+
+    text = render(
+        "{goal}|{answer}|{output.steps.0}|{output.steps.1}|{output.n}|{child.answer}|"
+        "{child.output.k}|{children}|{scratch.who}|{item}|{index}",
+        ctx,
+        {"item": None, "index": 2},
+    )
+
+    assert text == 'build a shed|42|a|{"x": 1}|3|done|v|["done"]|ann||2'
+    assert template_names("{goal} {output.steps} {item}") == ["goal", "output", "item"]
+
+
+def test_render_reads_a_pydantic_output_and_the_runs_output_when_the_last_has_none() -> None:
+    ctx, _ = context(None, state=StateSpec())
+    ctx.output = Plan(steps=["only"])
+    assert render("{output.steps.0}", ctx) == "only"
+    ctx.last_output = Plan(steps=["newer"])
+    assert render("{output.steps}", ctx) == '["newer"]'
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{output.missing}", "{output.missing} names nothing in the run (no 'missing')"),
+        ("{output.steps.5}", "{output.steps.5} names nothing in the run (no '5')"),
+        ("{goal.x}", "{goal.x} names nothing in the run (no 'x')"),
+    ],
+)
+def test_a_placeholder_with_no_value_is_a_clear_error(template: str, message: str) -> None:
+    ctx, _ = context(None, state=StateSpec())
+    ctx.last_output = {"steps": ["a"]}
+    with pytest.raises(TemplateError) as info:
+        render(template, ctx)
+    assert str(info.value) == message
+
+
+# --- the budget a child gets -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("own", "iterations", "seconds", "expected"),
+    [
+        ({"max_iterations": 0, "timeout_seconds": 0}, 5, 2.5, (5, 2.5)),
+        ({"max_iterations": 3, "timeout_seconds": 600}, 5, 30.0, (3, 30.0)),
+        ({"max_iterations": 10, "timeout_seconds": 10}, 4, 30.0, (4, 10.0)),
+        ({"max_iterations": 7, "timeout_seconds": 9}, None, None, (7, 9.0)),
+    ],
+)
+def test_a_child_gets_its_own_limits_capped_by_what_the_parent_has_left(
+    own: dict[str, Any], iterations: int | None, seconds: float | None, expected: tuple[int, float]
+) -> None:
+    limits = Limits(**own)
+    bounded = bounded_limits(limits, iterations, seconds)
+    assert (bounded.max_iterations, bounded.timeout_seconds) == expected
+    assert bounded.max_tool_failures == limits.max_tool_failures
+    if iterations is None and seconds is None:
+        assert bounded is limits
+
+
+def test_the_request_carries_the_parents_remaining_iterations_and_time() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id))
+    state = StateSpec(action="workflow.call", workflow="step.yaml")
+
+    async def go(limits: Limits, used: int, children: int) -> ChildRequest:
+        ctx, _ = context(runner, state=state, limits=limits, iteration=used)
+        ctx.child_iterations = children
+        async with asyncio.timeout(30) as deadline:
+            ctx.notes.deadline = deadline
+            await workflow_call(ctx)
+        return runner.requests[-1]
+
+    first = asyncio.run(go(Limits(max_iterations=10), 3, 4))
+    assert first.max_iterations == 3
+    assert first.timeout_seconds is not None
+    assert 29 < first.timeout_seconds <= 30
+    assert first.parent_run_id == "parent"
+    assert first.caller == "/flows/parent.yaml"
+    assert first.workflow == "step.yaml"
+    spent = asyncio.run(go(Limits(max_iterations=10), 6, 6))
+    assert spent.max_iterations == 1  # never 0, which would mean no cap
+    uncapped = asyncio.run(go(Limits(max_iterations=0), 6, 6))
+    assert uncapped.max_iterations is None
+
+
+# --- workflow.call -----------------------------------------------------------------------
+
+
+def test_a_call_records_the_child_absorbs_it_and_answers_with_it() -> None:
+    usage = Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10)
+    runner = FakeRunner(lambda r: result(r.run_id, answer="a roof", iterations=4, usage=usage))
+    state = StateSpec(action="workflow.call", workflow="step.yaml", input="Plan: {goal}")
+    ctx, events = context(runner, state=state, recorded=("c-recorded",))
+
+    asyncio.run(workflow_call(ctx))
+
+    assert [t for t, _ in events] == [
+        EventType.CHILD_STARTED,
+        EventType.CHILD_FINISHED,
+        EventType.MESSAGE_ADDED,
+    ]
+    assert events[0][1] == {
+        "run_id": "c-recorded",
+        "workflow": "step.yaml",
+        "input": "Plan: build a shed",
+    }
+    assert events[1][1]["run_id"] == "c-recorded"
+    assert events[1][1]["answer"] == "a roof"
+    assert "item" not in events[1][1]
+    assert runner.requests[0].run_id == "c-recorded"  # the recorded id, on a re-drive
+    assert runner.requests[0].prompt == "Plan: build a shed"
+    assert ctx.answer == "a roof"
+    assert ctx.child_iterations == 4
+    assert ctx.usage == usage
+    assert [c.run_id for c in ctx.children] == ["c-recorded"]
+    assert ctx.session.messages()[-1].content == (
+        "The workflow 'step.yaml' (run c-recorded) was asked: Plan: build a shed\n"
+        "It answered: a roof"
+    )
+    assert child_succeeded(ctx)
+    assert not child_failed(ctx)
+
+
+def test_a_failed_call_is_no_answer_and_answer_false_keeps_the_parents() -> None:
+    failing = FakeRunner(lambda r: result(r.run_id, ok=False, error="3 failed tool calls"))
+    ctx, _ = context(
+        failing, state=StateSpec(action="workflow.call", workflow="w"), answer="before"
+    )
+    asyncio.run(workflow_call(ctx))
+    assert ctx.answer == "before"
+    assert ctx.session.messages()[-1].content.endswith(
+        "It answered: (failed: tool_failures) 3 failed tool calls"
+    )
+    assert child_failed(ctx)
+    assert not child_succeeded(ctx)
+
+    fine = FakeRunner(lambda r: result(r.run_id, answer="new"))
+    quiet, _ = context(
+        fine, state=StateSpec(action="workflow.call", workflow="w", answer=False), answer="old"
+    )
+    asyncio.run(workflow_call(quiet))
+    assert quiet.answer == "old"
+    assert quiet.children[0].answer == "new"
+
+
+def test_guards_without_children() -> None:
+    ctx, _ = context(None, state=StateSpec())
+    assert not child_succeeded(ctx)
+    assert not child_failed(ctx)
+
+
+def test_a_waiting_child_suspends_its_parent_with_its_question() -> None:
+    waiting = {
+        "kind": "approval",
+        "state": "act",
+        "tool_call": {"id": "t1", "name": "rm", "arguments": {"path": "/"}},
+    }
+    runner = FakeRunner(lambda r: result(r.run_id, ok=False, reason=None, waiting_for=waiting))
+    ctx, events = context(runner, state=StateSpec(action="workflow.call", workflow="w"))
+
+    with pytest.raises(Suspended) as info:
+        asyncio.run(workflow_call(ctx))
+
+    question = info.value.question
+    assert question.kind == "approval"
+    assert question.state == "work"
+    assert question.child_run_id == runner.requests[0].run_id
+    assert question.tool_call is not None
+    assert (question.tool_call.id, question.tool_call.name) == ("t1", "rm")
+    assert question.tool_call.arguments == {"path": "/"}
+    assert question.to_dict()["child_run_id"] == runner.requests[0].run_id
+    assert events[-1][0] is EventType.CHILD_FINISHED  # recorded before the parent waits
+    asked = FakeRunner(
+        lambda r: result(r.run_id, ok=False, reason=None,
+                         waiting_for={"kind": "input", "state": "ask", "prompt": "Which?"})
+    )  # fmt: skip
+    other, _ = context(asked, state=StateSpec(action="workflow.call", workflow="w"))
+    with pytest.raises(Suspended) as second:
+        asyncio.run(workflow_call(other))
+    assert (second.value.question.kind, second.value.question.prompt) == ("input", "Which?")
+    assert second.value.question.tool_call is None
+
+
+# --- workflow.map ------------------------------------------------------------------------
+
+
+def test_a_map_runs_each_item_at_most_n_at_a_time_and_answers_in_item_order() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id, answer=f"did {r.prompt}", iterations=2), 0.01)
+    state = StateSpec(
+        action="workflow.map",
+        workflow="step.yaml",
+        items="output.steps",
+        input="{index}: {item}",
+        max_concurrency=2,
+    )
+    ctx, events = context(runner, state=state, recorded=("r1", "r2"))
+    ctx.last_output = {"steps": ["a", "b", "c", "d", "e"]}
+
+    asyncio.run(workflow_map(ctx))
+
+    assert runner.peak == 2
+    started = [d for t, d in events if t is EventType.CHILD_STARTED]
+    assert [d["item"] for d in started] == [0, 1, 2, 3, 4]
+    assert [d["input"] for d in started] == ["1: a", "2: b", "3: c", "4: d", "5: e"]
+    ids = [d["run_id"] for d in started]
+    assert ids[:2] == ["r1", "r2"]  # recorded ids first (a re-drive), new ones after
+    assert len(set(ids)) == 5
+    types = [t for t, _ in events]
+    assert types == [EventType.CHILD_STARTED] * 5 + [EventType.CHILD_FINISHED] * 5 + [
+        EventType.MESSAGE_ADDED
+    ]
+    assert [c.run_id for c in ctx.children] == ids
+    assert ctx.child_iterations == 10
+    assert ctx.session.messages()[-1].content == (
+        "The workflow 'step.yaml' ran once per item (5 items):\n"
+        "1. 1: a\n   → did 1: a\n2. 2: b\n   → did 2: b\n3. 3: c\n   → did 3: c\n"
+        "4. 4: d\n   → did 4: d\n5. 5: e\n   → did 5: e"
+    )
+    assert ctx.answer == ""  # a map's answers are in the conversation, not the answer
+
+
+def test_a_map_default_runs_four_at_a_time_on_item_itself() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id, answer="ok"), 0.01)
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.todo")
+    ctx, _ = context(runner, state=state, scratch={"todo": [{"n": i} for i in range(6)]})
+
+    asyncio.run(workflow_map(ctx))
+
+    assert runner.peak == 4
+    assert sorted(r.prompt for r in runner.requests) == [f'{{"n": {i}}}' for i in range(6)]
+
+
+def test_items_must_be_a_list() -> None:
+    state = StateSpec(action="workflow.map", workflow="w", items="output")
+    ctx, events = context(FakeRunner(lambda r: result(r.run_id)), state=state)
+    ctx.last_output = {"steps": "one long string"}
+    with pytest.raises(TemplateError) as info:
+        asyncio.run(workflow_map(ctx))
+    assert str(info.value) == 'items \'output\' is not a list (it is {"steps": "one long string"})'
+    assert events == []  # nothing started
+
+
+def test_one_failed_item_fails_only_itself_unless_fail_fast() -> None:
+    def decide(request: ChildRequest) -> ChildResult:
+        if request.prompt == "b":
+            return result(request.run_id, ok=False, error="broke")
+        return result(request.run_id, answer="fine")
+
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs", max_concurrency=1)
+    ctx, _ = context(FakeRunner(decide), state=state, scratch={"xs": ["a", "b", "c", "d"]})
+    asyncio.run(workflow_map(ctx))
+    assert [c.ok for c in ctx.children] == [True, False, True, True]
+    assert child_failed(ctx)
+
+    fast = state.model_copy(update={"fail_fast": True})
+    runner = FakeRunner(decide)
+    ctx2, events = context(runner, state=fast, scratch={"xs": ["a", "b", "c", "d"]})
+    asyncio.run(workflow_map(ctx2))
+    assert [r.prompt for r in runner.requests] == ["a", "b"]
+    assert [c.ok for c in ctx2.children] == [True, False, False, False]
+    assert [c.reason for c in ctx2.children][2:] == [None, None]
+    assert all("fail_fast" in str(c.error) for c in ctx2.children[2:])
+    finished = [d for t, d in events if t is EventType.CHILD_FINISHED]
+    assert sorted(d["item"] for d in finished) == [0, 1, 2, 3]
+    assert "(failed: did not end) not started: an earlier item failed (fail_fast)" in (
+        ctx2.session.messages()[-1].content
+    )
+
+
+def test_fail_fast_cancels_the_items_still_running() -> None:
+    async def slow_or_failing(request: ChildRequest) -> ChildResult:
+        if request.prompt == "bad":
+            return result(request.run_id, ok=False, error="broke")
+        await asyncio.sleep(30)
+        return result(request.run_id, answer="late")
+
+    class Mixed(FakeRunner):
+        async def run(self, request: ChildRequest) -> ChildResult:
+            self.requests.append(request)
+            return await slow_or_failing(request)
+
+    state = StateSpec(
+        action="workflow.map", workflow="w", items="scratch.xs", max_concurrency=3, fail_fast=True
+    )
+    ctx, _ = context(Mixed(lambda r: result(r.run_id)), state=state,
+                     scratch={"xs": ["slow1", "bad", "slow2"]})  # fmt: skip
+
+    async def go() -> None:
+        async with asyncio.timeout(10):
+            await workflow_map(ctx)
+
+    asyncio.run(go())  # ends at once: the running one is cancelled, the last never starts
+    reasons = [c.reason for c in ctx.children]
+    assert reasons == ["cancelled", "tool_failures", None]
+    assert ctx.children[0].error == "cancelled: another item failed (fail_fast)"
+    assert ctx.children[2].error == "not started: an earlier item failed (fail_fast)"
