@@ -441,6 +441,7 @@ class Agent:
             human=self._human,
             on_event=self._on_event,
             closers=self._owned.closers,
+            parent_base_url=str(kernel.settings.get("base_url") or ""),
         )
         if model is not self._chat_model and hasattr(model, "aclose"):
             self._owned.closers.append(model.aclose)

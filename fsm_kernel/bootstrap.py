@@ -50,6 +50,7 @@ __all__ = [
     "recorded_options",
     "resolve_workflow",
     "run_limits",
+    "same_origin",
 ]
 
 logger = logging.getLogger(__name__)
@@ -413,6 +414,11 @@ def _origin(base_url: str) -> tuple[str, str, int | None]:
     except ValueError:
         port = None
     return url.scheme.lower(), (url.hostname or "").lower(), port
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two base URLs are one server (scheme, host, port): where an API key may go."""
+    return _origin(a) == _origin(b)
 
 
 def state_agent_settings(spec: WorkflowSpec, run: AgentSettings) -> dict[str, AgentSettings]:

@@ -12,11 +12,19 @@ have is started.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fsm_kernel.bootstrap import RunOptions, attach_mcp, build_kernel, recorded_options
+from fsm_kernel.bootstrap import (
+    RunOptions,
+    attach_mcp,
+    build_kernel,
+    recorded_options,
+    same_origin,
+)
 from fsm_kernel.errors import RunNotFoundError
 from fsm_kernel.kernel import Kernel, Watcher
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, Usage
@@ -55,6 +63,7 @@ class LiveChildren:
         human: HumanChannel | None = None,
         on_event: Watcher | None = None,
         closers: list[Callable[[], Any]] | None = None,
+        parent_base_url: str = "",
     ) -> None:
         self.options = RunOptions(**{k: getattr(options, k) for k in _INHERITED})
         self.store = store
@@ -63,6 +72,8 @@ class LiveChildren:
         self.human = human
         self.on_event = on_event
         self.closers = closers if closers is not None else []
+        self.parent_base_url = parent_base_url
+        """Where the parent's model is: a child naming another origin gets no API key."""
         self._kernels: dict[Path, Kernel] = {}
         self._mcp: dict[Path, McpServers] = {}
 
@@ -106,6 +117,21 @@ class LiveChildren:
         result = await resume_run(kernel, self.store, run.run_id, answer=answer)
         return result.as_child()
 
+    def _inherited(
+        self, own: dict[str, Any], options: RunOptions
+    ) -> tuple[RunOptions, dict[str, str]]:
+        """The options and environment a child's kernel is built from: the parent's, except
+        what the child's own `agent:` block sets (its keys win), and without the API key when
+        it names a server of another origin than its parent's (a key never goes elsewhere)."""
+        cleared: dict[str, Any] = {k: None for k in own if k in _ENV_NAMES}
+        dropped = {name for k in own for name in _ENV_NAMES.get(k, ())}
+        base_url = own.get("base_url")
+        if base_url is not None and not same_origin(str(base_url), self.parent_base_url):
+            cleared["api_key"] = None
+            dropped.update(_KEY_NAMES)
+        environ = {k: v for k, v in os.environ.items() if k not in dropped}
+        return replace(options, **cleared), environ
+
     def _spec(self, run: RecordedRun, path: Path) -> WorkflowSpec:
         recorded = run.started.data.get("workflow_path")
         if recorded and Path(str(recorded)).is_file():
@@ -133,17 +159,35 @@ class LiveChildren:
     def _build(self, spec: WorkflowSpec, options: RunOptions) -> Kernel:
         """A kernel for the child's workflow: the parent's model when the child's workflow
         names no server settings of its own (`agent:`), else one of its own (closed with the
-        agent)."""
-        own_agent = bool(spec.agent.model_dump(exclude_none=True))
-        shared = self.chat_model or (None if own_agent else self.parent_model)
+        agent), whose `agent:` keys win over the settings inherited from the parent."""
+        own = spec.agent.model_dump(exclude_none=True)
+        shared = self.chat_model or (None if own else self.parent_model)
+        inherited, environ = self._inherited(own, options)
         kernel, model = build_kernel(
-            spec, options, store=self.store, chat_model=shared, human=self.human
+            spec,
+            inherited,
+            store=self.store,
+            chat_model=shared,
+            human=self.human,
+            environ=environ,
         )
         kernel.on_event = self.on_event
         kernel.children = self
         if model is not shared and hasattr(model, "aclose"):
             self.closers.append(model.aclose)
         return kernel
+
+
+_ENV_NAMES: dict[str, tuple[str, ...]] = {
+    "base_url": ("FSM_KERNEL_BASE_URL",),
+    "model": ("FSM_KERNEL_MODEL",),
+    "request_timeout": ("FSM_KERNEL_REQUEST_TIMEOUT",),
+    "max_retries": ("FSM_KERNEL_MAX_RETRIES",),
+    "max_response_bytes": ("FSM_KERNEL_MAX_RESPONSE_BYTES",),
+    "stream": ("FSM_KERNEL_STREAM",),
+}
+"""The environment variables that set each agent key (see config.agent_settings_from_env)."""
+_KEY_NAMES = ("FSM_KERNEL_API_KEY", "OPENAI_API_KEY")
 
 
 def _key(path: Path) -> Path:

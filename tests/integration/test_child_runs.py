@@ -7,6 +7,7 @@ parent's budget."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -551,3 +552,52 @@ def test_a_resumed_parent_keeps_the_ending_its_child_had(
     with SqliteEventStore(store) as events:
         kid_log = events.read(kid.run_id)
     assert not any(e.type is EventType.RUN_RESUMED for e in kid_log)
+
+
+def test_a_child_asks_its_parents_server_unless_its_workflow_names_its_own(
+    capsys: pytest.CaptureFixture[str],
+    server: FakeOpenAIServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child's own `agent:` keys win over the settings it inherits (flags, environment), and
+    the parent's API key never goes to a server of another origin."""
+    monkeypatch.setenv("FSM_KERNEL_API_KEY", "sk-parent-key-0123456789")
+    with FakeOpenAIServer(stream_style=None) as own:
+        child = tmp_path / "own.yaml"
+        child.write_text(
+            (DATA / "step.yaml").read_text().replace(
+                "name: step\n", f"name: own\nagent: {{base_url: '{own.base_url}', model: x}}\n"
+            )
+        )  # fmt: skip
+        parent = tmp_path / "parent.yaml"
+        parent.write_text(
+            (DATA / "fanout.yaml").read_text().replace("workflow: step.yaml", "workflow: own.yaml")
+            .replace("max_concurrency: 3", "max_concurrency: 1")
+        )  # fmt: skip
+
+        def plan(request: dict[str, Any]) -> Any:
+            return text_reply(json.dumps({"steps": ["a"]}))
+
+        server.enqueue(plan, text_reply("summary"))
+        own.enqueue(text_reply("did a on my own server"))
+        seen: list[Any] = []
+
+        async def go() -> Any:
+            from fsm_kernel import Agent
+
+            store = str(tmp_path / "r.db")
+            options = {"base_url": server.base_url, "model": "m", "store": store}
+            async with Agent(parent, on_event=seen.append, **options) as agent:
+                return await agent.run("go")
+
+        result = asyncio.run(go())
+
+        assert result.response == "summary", result.messages[-1].content
+        assert len(own.requests) == 1  # the child's own server
+        assert own.requests[0]["model"] == "x"
+        assert "authorization" not in own.request_headers[0]
+        assert len(server.requests) == 2  # the parent's plan and summary only
+        assert server.request_headers[0]["authorization"] == "Bearer sk-parent-key-0123456789"
+    started = [e for e in seen if getattr(e, "type", None) is EventType.RUN_STARTED]
+    assert [e.data.get("parent_run_id") for e in started] == [None, result.run_id]
