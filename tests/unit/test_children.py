@@ -5,6 +5,7 @@ behaviour is in tests/integration/test_child_runs.py)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -386,3 +387,107 @@ def test_fail_fast_cancels_the_items_still_running() -> None:
     assert reasons == ["cancelled", "tool_failures", None]
     assert ctx.children[0].error == "cancelled: another item failed (fail_fast)"
     assert ctx.children[2].error == "not started: an earlier item failed (fail_fast)"
+
+
+# --- the details a run reads back ----------------------------------------------------------
+
+
+def test_a_child_result_as_recorded_and_as_templates_see_it() -> None:
+    usage = Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3)
+    plain = ChildResult(run_id="c", workflow="w", reason="done", ok=True, answer="a",
+                        output={"k": 1}, iterations=2, usage=usage)  # fmt: skip
+    assert plain.to_dict() == {
+        "run_id": "c",
+        "workflow": "w",
+        "reason": "done",
+        "ok": True,
+        "answer": "a",
+        "output": {"k": 1},
+        "iterations": 2,
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+    }
+    waiting = {"kind": "input", "state": "s"}
+    odd = ChildResult(run_id="d", workflow="w", reason=None, ok=False, error="e",
+                      waiting_for=waiting)  # fmt: skip
+    assert odd.to_dict()["error"] == "e"
+    assert odd.to_dict()["waiting_for"] == waiting
+    assert plain.view() == {
+        "run_id": "c",
+        "workflow": "w",
+        "reason": "done",
+        "ok": True,
+        "answer": "a",
+        "output": {"k": 1},
+        "error": None,
+    }
+    ctx, _ = context(None, state=StateSpec())
+    ctx.children = [odd]
+    assert render(
+        "{child.run_id} {child.workflow} {child.reason} {child.ok} {child.error}", ctx
+    ) == ("d w  false e")
+
+
+class Dated(pydantic.BaseModel):
+    on: datetime.date
+
+
+def test_templates_write_json_as_json_keeps_non_ascii_and_reads_braced_items() -> None:
+    ctx, _ = context(None, state=StateSpec())
+    ctx.last_output = Dated(on=datetime.date(2026, 1, 2))
+    assert render("{output.on} {output}", ctx) == '2026-01-02 {"on": "2026-01-02"}'
+    ctx.last_output = {"steps": [{"name": "café"}]}
+    assert render("{output.steps}", ctx) == '[{"name": "café"}]'
+    runner = FakeRunner(lambda r: result(r.run_id, answer="ok"))
+    state = StateSpec(action="workflow.map", workflow="w", items="{output.steps}")
+    mapped, _ = context(runner, state=state)
+    mapped.last_output = {"steps": ["x", "y"]}
+    asyncio.run(workflow_map(mapped))
+    assert sorted(r.prompt for r in runner.requests) == ["x", "y"]
+    long, _ = context(runner, state=StateSpec(action="workflow.map", workflow="w", items="output"))
+    long.last_output = {"text": "é" * 300}
+    with pytest.raises(TemplateError) as info:
+        asyncio.run(workflow_map(long))
+    shown = str(info.value).split("(it is ", 1)[1]
+    assert shown == ('{"text": "' + "é" * 300)[:120] + ")"
+
+
+def test_a_call_defaults_to_the_goal_and_records_its_message() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id, ok=False, answer=""))
+    ctx, events = context(runner, state=StateSpec(action="workflow.call", workflow="w"))
+    asyncio.run(workflow_call(ctx))
+    assert runner.requests[0].prompt == "build a shed"
+    kind, data = events[-1]
+    assert kind is EventType.MESSAGE_ADDED
+    assert data["message"]["content"].endswith("It answered: (failed: tool_failures) no answer")
+
+
+def test_what_a_map_records_for_items_that_never_ran() -> None:
+    def decide(request: ChildRequest) -> ChildResult:
+        return result(request.run_id, ok=request.prompt != "b", error="broke")
+
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs", max_concurrency=1,
+                      fail_fast=True)  # fmt: skip
+    ctx, events = context(FakeRunner(decide), state=state, scratch={"xs": ["a", "b", "c"]},
+                          recorded=("i1", "i2", "i3"))  # fmt: skip
+    asyncio.run(workflow_map(ctx))
+    never = ctx.children[2]
+    assert (never.run_id, never.workflow, never.ok, never.reason) == ("i3", "w", False, None)
+    finished = {d["item"]: d for t, d in events if t is EventType.CHILD_FINISHED}
+    assert finished[2]["run_id"] == "i3"
+    assert events[-1][0] is EventType.MESSAGE_ADDED
+    assert "message" in events[-1][1]
+
+
+def test_a_waiting_item_suspends_the_map_after_every_item_ended() -> None:
+    def decide(request: ChildRequest) -> ChildResult:
+        if request.prompt == "ask":
+            question = {"kind": "input", "state": "q", "prompt": "Which?"}
+            return result(request.run_id, ok=False, reason=None, waiting_for=question)
+        return result(request.run_id, answer="ok")
+
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs")
+    ctx, events = context(FakeRunner(decide), state=state, scratch={"xs": ["a", "ask", "c"]})
+    with pytest.raises(Suspended) as info:
+        asyncio.run(workflow_map(ctx))
+    assert info.value.question.child_run_id == ctx.children[1].run_id
+    assert sum(1 for t, _ in events if t is EventType.CHILD_FINISHED) == 3

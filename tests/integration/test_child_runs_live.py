@@ -1,0 +1,118 @@
+"""The live ChildRunner's own decisions, on real SQLite logs: what a parent reads of a child
+that ended or waits (`_from_log`), and which settings a child inherits (`_inherited`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fsm_kernel
+from fsm_kernel.bootstrap import RunOptions, load_spec
+from fsm_kernel.child_runs import LiveChildren, _from_log
+from fsm_kernel.protocol import Completion, Message, Tool, ToolCall, Usage
+from fsm_kernel.replay import RecordedRun
+from fsm_kernel.store import SqliteEventStore
+
+ENDS_WELL = """name: ends_well
+tools: []
+reasons:
+  shipped: {success: true}
+initial: answer
+states:
+  answer: {action: agent.think}
+  terminate: {final: true}
+transitions:
+  - {source: answer, target: terminate, reason: shipped}
+"""
+
+
+class Counting:
+    """A model that answers `replies` in turn, each with 10 + 5 tokens."""
+
+    def __init__(self, *replies: Message) -> None:
+        self.replies = list(replies)
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[Tool], **options: Any
+    ) -> Completion:
+        usage = Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
+        return Completion(message=self.replies.pop(0), usage=usage)
+
+
+def test_a_child_that_ended_is_read_back_with_its_own_success_reasons(tmp_path: Path) -> None:
+    flow = tmp_path / "ends_well.yaml"
+    flow.write_text(ENDS_WELL)
+    store = tmp_path / "runs.db"
+    done = fsm_kernel.run(flow, "go", chat_model=Counting(Message.assistant("shipped it")),
+                          store=str(store))  # fmt: skip
+
+    with SqliteEventStore(store) as events:
+        child = _from_log(RecordedRun.load(events, done.run_id), load_spec(str(flow)))
+
+    assert (child.run_id, child.workflow, child.reason, child.ok) == (
+        done.run_id, "ends_well", "shipped", True
+    )  # fmt: skip
+    assert (child.answer, child.iterations, child.error, child.waiting_for) == (
+        "shipped it", 1, None, None
+    )  # fmt: skip
+    assert child.usage == Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
+
+
+def test_a_child_that_waits_is_read_back_waiting(tmp_path: Path) -> None:
+    store = tmp_path / "runs.db"
+    ask = Message.assistant("", [ToolCall(id="t1", name="read_file", arguments={"path": "x"})])
+    waiting = fsm_kernel.run("approve_tools", "go", chat_model=Counting(ask), store=str(store),
+                             workspace=str(tmp_path))  # fmt: skip
+    assert waiting.status == "waiting"
+
+    with SqliteEventStore(store) as events:
+        child = _from_log(RecordedRun.load(events, waiting.run_id), load_spec("approve_tools"))
+
+    assert (child.reason, child.ok, child.answer) == (None, False, "")
+    assert child.waiting_for is not None
+    assert child.waiting_for["tool_call"]["name"] == "read_file"
+    assert child.usage.total_tokens == 15
+
+
+@pytest.mark.parametrize(
+    ("own", "kept", "cleared", "dropped"),
+    [
+        ({"model": "x"}, {"base_url", "api_key"}, {"model"}, {"FSM_KERNEL_MODEL"}),
+        (
+            {"base_url": "http://other:2/v1"},
+            {"model"},
+            {"base_url", "api_key"},
+            {"FSM_KERNEL_BASE_URL", "FSM_KERNEL_API_KEY", "OPENAI_API_KEY"},
+        ),
+        ({"base_url": "http://parent:1/elsewhere"}, {"model", "api_key"}, {"base_url"},
+         {"FSM_KERNEL_BASE_URL"}),
+        ({"max_retries": 0, "stream": False}, {"model", "base_url", "api_key"},
+         {"max_retries", "stream"}, {"FSM_KERNEL_MAX_RETRIES", "FSM_KERNEL_STREAM"}),
+    ],
+)  # fmt: skip
+def test_a_childs_own_agent_keys_win_and_the_key_stays_with_its_origin(
+    own: dict[str, Any],
+    kept: set[str],
+    cleared: set[str],
+    dropped: set[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = {"FSM_KERNEL_BASE_URL", "FSM_KERNEL_MODEL", "FSM_KERNEL_API_KEY", "OPENAI_API_KEY",
+             "FSM_KERNEL_MAX_RETRIES", "FSM_KERNEL_STREAM"}  # fmt: skip
+    for name in names:
+        monkeypatch.setenv(name, "1")
+    options = RunOptions(base_url="http://parent:1/v1", model="m", api_key="k", max_retries=3,
+                         stream=True)  # fmt: skip
+    runner = LiveChildren(options, store=None, parent_model=Counting(),
+                          parent_base_url="http://parent:1/v1")  # fmt: skip
+
+    inherited, environ = runner._inherited(own, runner.options)
+
+    assert {k for k in ("model", "base_url", "api_key") if getattr(inherited, k) is not None} == (
+        kept & {"model", "base_url", "api_key"}
+    )
+    assert all(getattr(inherited, k) is None for k in cleared)
+    assert names - set(environ) == dropped
