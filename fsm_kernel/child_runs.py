@@ -12,6 +12,7 @@ have is started.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -76,6 +77,7 @@ class LiveChildren:
         """Where the parent's model is: a child naming another origin gets no API key."""
         self._kernels: dict[Path, Kernel] = {}
         self._mcp: dict[Path, McpServers] = {}
+        self._building = asyncio.Lock()
 
     async def run(self, request: ChildRequest) -> ChildResult:
         path = find_workflow(request.workflow, relative_to=request.caller)
@@ -139,12 +141,16 @@ class LiveChildren:
         return load_workflow(path)
 
     async def _kernel(self, path: Path) -> Kernel:
+        """The kernel of a child workflow, built once (its MCP tools attached before any child
+        of a map uses it: the children starting together wait for the first)."""
         key = _key(path)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            spec = load_workflow(path)
-            kernel = self._kernels[key] = self._build(spec, self.options)
-            await attach_mcp(kernel, spec, self._servers(path))
+        async with self._building:
+            kernel = self._kernels.get(key)
+            if kernel is None:
+                spec = load_workflow(path)
+                kernel = self._build(spec, self.options)
+                await attach_mcp(kernel, spec, self._servers(path))
+                self._kernels[key] = kernel
         return kernel
 
     def _servers(self, path: Path) -> McpServers:

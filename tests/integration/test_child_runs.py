@@ -222,7 +222,7 @@ def test_children_spend_the_parents_iteration_budget(
         (DATA / "delegate.yaml")
         .read_text()
         .replace("workflow: step.yaml", "workflow: looping.yaml")
-        + "limits:\n  max_iterations: 3\n"
+        + "limits:\n  max_iterations: 3\n  timeout_seconds: 45\n"
     )
     server.enqueue(
         *[tool_reply(call("datetime", {}, id=f"c{i}"), call("datetime", {"x": i}, id=f"d{i}"))
@@ -239,6 +239,7 @@ def test_children_spend_the_parents_iteration_budget(
         child = next(r for r in events.list_runs() if r.parent_run_id)
         started = events.read(child.run_id)[0].data
     assert started["limits"]["max_iterations"] == 3
+    assert 0 < started["limits"]["timeout_seconds"] <= 45  # what the parent had left, not 600
     assert child.termination_reason == "max_iterations"
 
 

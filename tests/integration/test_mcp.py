@@ -347,3 +347,38 @@ def test_a_scheduler_starts_each_workflows_servers_once_for_the_process(
     ]
     assert tool_results == ["3", "3"]  # both dispatches called it
     assert len(starts.read_text().split()) == 1  # one server process for both
+
+
+def test_a_child_workflows_mcp_servers_start_once_for_all_its_children(
+    capsys: pytest.CaptureFixture[str], fake: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    starts = tmp_path / "starts.txt"
+    child = workflow(tmp_path, {"calc": stdio(env={"MCP_TEST_STARTS": str(starts)})},
+                     ["mcp:calc/add"])  # fmt: skip
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(
+        (ROOT / "tests" / "data" / "children" / "fanout.yaml").read_text()
+        .replace("workflow: step.yaml", f"workflow: {child.name}")
+    )  # fmt: skip
+
+    def reply(request: dict[str, Any]) -> Any:
+        last = request["messages"][-1]
+        if "response_format" in request:
+            return text_reply(json.dumps({"steps": ["one", "two"]}))
+        if last["role"] == "tool":
+            return text_reply(f"sum {last['content']}")
+        if str(last["content"]).startswith("Step"):
+            return tool_reply(call("add", {"a": 20, "b": 22}, id="c1"))
+        return text_reply("both added")
+
+    fake.enqueue(*[reply] * 6)
+
+    done = run(capsys, fake, parent, tmp_path / "r.db")
+
+    assert done.code == 0, done.err
+    assert done.json()["response"] == "both added"
+    results = [
+        m["content"] for r in fake.requests for m in r["messages"][-1:] if m["role"] == "tool"
+    ]
+    assert results == ["42", "42"]
+    assert len(starts.read_text().split()) == 1  # one server for both children
