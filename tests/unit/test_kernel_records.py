@@ -160,3 +160,53 @@ def test_run_sync_runs_without_an_event_loop() -> None:
         "final_answer",
     )
     assert asyncio.get_event_loop_policy() is not None
+
+
+def test_a_kernel_error_inside_the_loop_ends_the_run_error_with_its_message() -> None:
+    from fsm_kernel.kernel import Kernel
+    from fsm_kernel.tools import builtin_registry
+
+    kernel = Kernel(DEFAULT.compiled, model=None, tools=builtin_registry("."))  # type: ignore[arg-type]
+    result = kernel.run_sync("hi")
+
+    assert result.termination_reason == "error"
+    assert result.error == "agent.think needs a model, but the run has none"
+    ended = [e.data for e in result.events if e.type is EventType.RUN_TERMINATED]
+    assert ended == [{"reason": "error", "answer": "", "iterations": 0,
+                      "error": "agent.think needs a model, but the run has none"}]  # fmt: skip
+
+
+def test_a_cancelled_run_leaves_its_task_free_to_go_on() -> None:
+    """The kernel ends a cancelled run `cancelled` and clears the task's cancel request, so
+    the code that awaited the run may await more (record, clean up) without being cancelled."""
+    from fsm_kernel.kernel import Kernel
+    from fsm_kernel.protocol import Completion
+    from fsm_kernel.tools import builtin_registry
+
+    entered = asyncio.Event()
+
+    class Hangs:
+        async def complete(self, messages: Any, tools: Any, **options: Any) -> Completion:
+            entered.set()
+            await asyncio.sleep(60)
+            raise AssertionError("not reached")
+
+    kernel = Kernel(DEFAULT.compiled, model=Hangs(), tools=builtin_registry("."))
+
+    async def body() -> tuple[RunResult, int, str]:
+        result = await kernel.run("hi")
+        after = asyncio.current_task()
+        assert after is not None
+        await asyncio.sleep(0)  # would raise CancelledError if the request were still pending
+        return result, after.cancelling(), "went on"
+
+    async def scenario() -> tuple[RunResult, int, str]:
+        task = asyncio.ensure_future(body())
+        await entered.wait()
+        task.cancel()
+        return await task
+
+    result, cancelling, went_on = asyncio.run(scenario())
+
+    assert result.termination_reason == "cancelled"
+    assert (cancelling, went_on) == (0, "went on")
