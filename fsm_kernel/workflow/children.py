@@ -403,6 +403,8 @@ async def workflow_map(ctx: RunContext) -> None:
     message = Message.user(
         f"The workflow {spec.workflow!r} ran once per item ({len(ordered)} items):\n"
         + "\n".join(lines)
+        if ordered
+        else f"The workflow {spec.workflow!r} had no items to run (the list was empty)."
     )
     ctx.session.add(message)
     ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})

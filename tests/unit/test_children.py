@@ -491,3 +491,19 @@ def test_a_waiting_item_suspends_the_map_after_every_item_ended() -> None:
         asyncio.run(workflow_map(ctx))
     assert info.value.question.child_run_id == ctx.children[1].run_id
     assert sum(1 for t, _ in events if t is EventType.CHILD_FINISHED) == 3
+
+
+def test_an_empty_list_starts_no_child_and_neither_guard_passes() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id))
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs")
+    ctx, events = context(runner, state=state, scratch={"xs": []})
+
+    asyncio.run(workflow_map(ctx))
+
+    assert runner.requests == []
+    assert [t for t, _ in events] == [EventType.MESSAGE_ADDED]
+    assert ctx.session.messages()[-1].content == (
+        "The workflow 'w' had no items to run (the list was empty)."
+    )
+    assert not child_succeeded(ctx)
+    assert not child_failed(ctx)
