@@ -115,7 +115,7 @@ class LiveChildren:
                 return _from_log(run, spec)
         options = RunOptions(**self.options.given()).over(recorded_options(run.config()))
         kernel = self._build(spec, options)
-        await attach_mcp(kernel, spec, self._servers(path))
+        await attach_mcp(kernel, spec, self._servers(path, spec))
         result = await resume_run(kernel, self.store, run.run_id, answer=answer)
         return result.as_child()
 
@@ -149,16 +149,16 @@ class LiveChildren:
             if kernel is None:
                 spec = load_workflow(path)
                 kernel = self._build(spec, self.options)
-                await attach_mcp(kernel, spec, self._servers(path))
+                await attach_mcp(kernel, spec, self._servers(path, spec))
                 self._kernels[key] = kernel
         return kernel
 
-    def _servers(self, path: Path) -> McpServers:
+    def _servers(self, path: Path, spec: WorkflowSpec) -> McpServers:
         """The MCP servers of a child workflow, started once for all its children."""
         key = _key(path)
         servers = self._mcp.get(key)
         if servers is None:
-            servers = self._mcp[key] = McpServers(load_workflow(path).mcp_servers)
+            servers = self._mcp[key] = McpServers(spec.mcp_servers)
             self.closers.append(servers.aclose)
         return servers
 

@@ -13,9 +13,10 @@ host only: a Slack webhook URL is a secret) after the run's ending. A child run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -247,7 +248,7 @@ class Notifier:
         }
         if error:
             data["error"] = error
-        if self.store is None or note.run_id is None:
+        if not self._records() or note.run_id is None:
             logger.info("notify attempt: %s", data)
             return
         async with self._write:  # one writer at a time: each takes the next seq
@@ -256,25 +257,19 @@ class Notifier:
             except Exception as exc:  # the log is busy or gone: the attempt still happened
                 logger.warning("could not record a notify attempt of run %s: %s", note.run_id, exc)
 
-    def _append(self, run_id: str, data: dict[str, Any]) -> None:
+    def _records(self) -> bool:
+        """Whether attempts go to the runs' logs (else to the log lines)."""
+        return self.store is not None
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[EventStore]:
+        """The store the attempts are appended to (in a thread)."""
         assert self.store is not None
-        for _ in range(3):  # a resume may append meanwhile: take the next free seq
-            events = self.store.read(run_id)
-            last = events[-1] if events else None
-            event = Event(
-                run_id=run_id,
-                seq=(last.seq if last else 0) + 1,
-                type=EventType.NOTIFY_ATTEMPTED,
-                timestamp=self.clock.now(),
-                iteration=last.iteration if last else 0,
-                state=last.state if last else None,
-                data=redact_data(data),
-            )
-            try:
-                self.store.append([event])
-                return
-            except FsmKernelError:
-                continue
+        yield self.store
+
+    def _append(self, run_id: str, data: dict[str, Any]) -> None:
+        with self._opened() as store:
+            _append_attempt(store, run_id, data, self.clock)
 
     async def aclose(self, grace: float = _GRACE_SECONDS) -> None:
         """Wait up to `grace` seconds for deliveries still being tried, then give them up."""
@@ -321,31 +316,39 @@ class DispatchNotifier(Notifier):
             )
         )
 
-    async def _record(
-        self,
-        note: Notification,
-        hook: NotifySpec,
-        attempt: int,
-        status: int | None,
-        error: str | None,
-        *,
-        final: bool,
-    ) -> None:
-        if note.run_id is None:
-            await super()._record(note, hook, attempt, status, error, final=final)
-            return
+    def _records(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[EventStore]:
         from fsm_kernel.store import open_store
 
-        def opened() -> EventStore:
-            return open_store(self.store_location)
+        with open_store(self.store_location) as store:
+            yield store
 
-        store = await asyncio.to_thread(opened)
-        self.store = store
+
+def _append_attempt(
+    store: EventStore, run_id: str, data: dict[str, Any], clock: Clock
+) -> None:
+    """A `notify.attempted` event after the run's last one (a resume may append meanwhile:
+    then the next free seq is taken)."""
+    for _ in range(3):
+        events = store.read(run_id)
+        last = events[-1] if events else None
+        event = Event(
+            run_id=run_id,
+            seq=(last.seq if last else 0) + 1,
+            type=EventType.NOTIFY_ATTEMPTED,
+            timestamp=clock.now(),
+            iteration=last.iteration if last else 0,
+            state=last.state if last else None,
+            data=redact_data(data),
+        )
         try:
-            await super()._record(note, hook, attempt, status, error, final=final)
-        finally:
-            self.store = None
-            await asyncio.to_thread(store.close)
+            store.append([event])
+            return
+        except FsmKernelError:
+            continue
 
 
 async def _post(

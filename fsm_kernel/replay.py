@@ -552,6 +552,7 @@ class ReplayChildren:
         self.store = store
         self.reports: dict[int, ReplayReport] = {}
         self._asked = 0
+        self._compiled: dict[str, CompiledWorkflow] = {}
 
     async def run(self, request: ChildRequest) -> ChildResult:
         order = self._asked
@@ -564,8 +565,11 @@ class ReplayChildren:
                 "never ran"
             ) from None
         path = str(child.started.data.get("workflow_path") or request.workflow)
-        spec = load_workflow(find_workflow(path, relative_to=request.caller))
-        report, result = await _replay(compile_workflow(spec), self.store, child.run_id, None)
+        workflow = self._compiled.get(path)
+        if workflow is None:  # once per file: a map's children share it
+            spec = load_workflow(find_workflow(path, relative_to=request.caller))
+            workflow = self._compiled[path] = compile_workflow(spec)
+        report, result = await _replay(workflow, self.store, child.run_id, None)
         self.reports[order] = report
         return result.as_child()
 

@@ -192,11 +192,13 @@ class _Server:
                 await self._stop.wait()
         except BaseException as exc:  # the server died, or never started: calls fail from now
             self.failure = exc
-            if not self._ready.done():
+            started = self._ready.done()
+            if not started:  # start() reports it, as the run's one error line
                 self._ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError())
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            logger.warning("MCP server %s stopped: %s", self.name, _reason(exc))
+            if started:
+                logger.warning("MCP server %s stopped: %s", self.name, _reason(exc))
         finally:
             self.client = None
             if self._http is not None:

@@ -162,8 +162,7 @@ def _ask_again(ctx: RunContext, reason: str) -> None:
         f"Your reply was not accepted: {reason}. Reply again with only a JSON value that "
         f"matches this JSON Schema:\n{shown}"
     )
-    ctx.session.add(message)
-    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+    ctx.add_message(message)
 
 
 async def agent_think(ctx: RunContext) -> None:
@@ -173,8 +172,7 @@ async def agent_think(ctx: RunContext) -> None:
     retrying = ctx.attempt > 1  # a `retry:` of this call: same prompt, same iteration
     if ctx.state_spec.prompt and not retrying:
         message = Message.user(ctx.state_spec.prompt)
-        ctx.session.add(message)
-        ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+        ctx.add_message(message)
     offered = ctx.offered_tools()
     messages = await _within_window(ctx, ctx.messages_for_model())
     options = _request_options(ctx)
@@ -497,8 +495,7 @@ async def human_input(ctx: RunContext) -> None:
     )
     answer = await ask(ctx, question)
     message = Message.user(answer.text)
-    ctx.session.add(message)
-    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+    ctx.add_message(message)
 
 
 BUILTIN_ACTIONS: dict[str, ActionDef] = {

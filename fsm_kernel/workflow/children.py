@@ -17,11 +17,11 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from fsm_kernel.errors import FsmKernelError
-from fsm_kernel.protocol import EventType, Message, ToolCall, Usage, new_id
+from fsm_kernel.protocol import EventType, Message, Usage, new_id
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 from fsm_kernel.workflow.spec import Limits
@@ -114,15 +114,11 @@ class ChildResult:
 
     def view(self) -> dict[str, Any]:
         """What templates see of it: `{child.answer}`, `{child.output.KEY}`, ..."""
-        return {
-            "run_id": self.run_id,
-            "workflow": self.workflow,
-            "reason": self.reason,
-            "ok": self.ok,
-            "answer": self.answer,
-            "output": self.output,
-            "error": self.error,
-        }
+        recorded = self.to_dict()
+        return {key: recorded.get(key) for key in _VIEW_KEYS}
+
+
+_VIEW_KEYS = ("run_id", "workflow", "reason", "ok", "answer", "output", "error")
 
 
 @runtime_checkable
@@ -283,26 +279,10 @@ def _wait_for(ctx: RunContext, results: Sequence[ChildResult]) -> None:
     """Suspend the parent when a child waits for a person (the first one, in item order):
     resuming the parent with the answer resumes that child."""
     for result in results:
-        waiting = result.waiting_for
-        if waiting is None:
-            continue
-        call = waiting.get("tool_call")
-        tool_call = None
-        if isinstance(call, Mapping):
-            tool_call = ToolCall(
-                id=str(call.get("id")),
-                name=str(call.get("name")),
-                arguments=dict(call.get("arguments") or {}),
-            )
-        raise Suspended(
-            Question(
-                kind="input" if waiting.get("kind") == "input" else "approval",
-                state=ctx.current_state,
-                tool_call=tool_call,
-                prompt=waiting.get("prompt"),
-                child_run_id=result.run_id,
-            )
-        )
+        if result.waiting_for is not None:
+            asked = Question.from_dict(result.waiting_for)
+            state = ctx.current_state
+            raise Suspended(replace(asked, state=state, child_run_id=result.run_id))
 
 
 def _not_started(run_id: str, workflow: str) -> ChildResult:
@@ -339,8 +319,7 @@ async def workflow_call(ctx: RunContext) -> None:
         f"The workflow {ctx.state_spec.workflow!r} (run {run_id}) was asked: {prompt}\n"
         f"It answered: {_shown(result)}"
     )
-    ctx.session.add(message)
-    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+    ctx.add_message(message)
 
 
 async def workflow_map(ctx: RunContext) -> None:
@@ -406,8 +385,7 @@ async def workflow_map(ctx: RunContext) -> None:
         if ordered
         else f"The workflow {spec.workflow!r} had no items to run (the list was empty)."
     )
-    ctx.session.add(message)
-    ctx.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+    ctx.add_message(message)
 
 
 # --- guards --------------------------------------------------------------------------------

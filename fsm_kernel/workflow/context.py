@@ -260,6 +260,12 @@ class RunContext:
         """Append an event to the run's log."""
         self.services.record(type_, data)
 
+    def add_message(self, message: Message) -> None:
+        """Add a message to the conversation and record it (`message.added`), so a resume or
+        a `--continue` rebuilds the same conversation from the log."""
+        self.session.add(message)
+        self.record(EventType.MESSAGE_ADDED, {"message": message.to_dict()})
+
     async def flush(self) -> None:
         """Wait until the events recorded so far are durable (call before a side effect)."""
         await self.services.flush()

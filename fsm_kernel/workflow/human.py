@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import getpass
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -63,6 +63,26 @@ class Question:
         if self.child_run_id is not None:
             d["child_run_id"] = self.child_run_id
         return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Question:
+        """A question as `to_dict` wrote it (a run's `waiting_for`)."""
+        call = d.get("tool_call")
+        tool_call = None
+        if isinstance(call, Mapping):
+            tool_call = ToolCall(
+                id=str(call.get("id")),
+                name=str(call.get("name")),
+                arguments=dict(call.get("arguments") or {}),
+            )
+        child = d.get("child_run_id")
+        return cls(
+            kind="input" if d.get("kind") == "input" else "approval",
+            state=str(d.get("state") or ""),
+            tool_call=tool_call,
+            prompt=d.get("prompt"),
+            child_run_id=str(child) if child else None,
+        )
 
 
 def default_by() -> str:

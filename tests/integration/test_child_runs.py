@@ -212,17 +212,10 @@ def test_one_failed_item_does_not_cancel_the_others_unless_fail_fast(
 def test_children_spend_the_parents_iteration_budget(
     capsys: pytest.CaptureFixture[str], server: FakeOpenAIServer, tmp_path: Path
 ) -> None:
-    looping = tmp_path / "looping.yaml"  # a child that keeps calling tools, 20 iterations
-    looping.write_text(
-        (ROOT / "workflows" / "default.yaml").read_text().replace("name: default", "name: loop")
-        .replace("max_iterations: 10", "max_iterations: 20")
-    )  # fmt: skip
-    parent = tmp_path / "parent.yaml"
-    parent.write_text(
-        (DATA / "delegate.yaml")
-        .read_text()
-        .replace("workflow: step.yaml", "workflow: looping.yaml")
-        + "limits:\n  max_iterations: 3\n  timeout_seconds: 45\n"
+    # a child that keeps calling tools, 20 iterations
+    default_variant(tmp_path, "looping", cap=("max_iterations: 10", "max_iterations: 20"))
+    parent = delegating_to(
+        tmp_path, "looping.yaml", "limits:\n  max_iterations: 3\n  timeout_seconds: 45\n"
     )
     server.enqueue(
         *[tool_reply(call("datetime", {}, id=f"c{i}"), call("datetime", {"x": i}, id=f"d{i}"))
@@ -260,40 +253,70 @@ def slow(tag: str) -> str:
     return f"done {tag}"
 '''
 
+DEFAULT_TOOLS = "tools: [datetime, read_file, list_directory, done]"
 
-def test_a_crash_inside_a_child_is_finished_by_resuming_the_parent(
-    server: FakeOpenAIServer, tmp_path: Path
-) -> None:
-    (tmp_path / "blocking.py").write_text(BLOCKING)
-    child = tmp_path / "child.yaml"
-    child.write_text(
-        (ROOT / "workflows" / "default.yaml").read_text().replace("name: default", "name: child")
-        .replace("tools: [datetime, read_file, list_directory, done]", "tools: ['blocking:slow']")
-    )  # fmt: skip
+
+def default_variant(
+    tmp_path: Path, name: str, tools: str = DEFAULT_TOOLS, **swaps: tuple[str, str]
+) -> Path:
+    """tmp_path/NAME.yaml: the stock default workflow named NAME, offering `tools` (a `tools:`
+    line), with each further `old=new` text swap made."""
+    text = (ROOT / "workflows" / "default.yaml").read_text()
+    text = text.replace("name: default", f"name: {name}").replace(DEFAULT_TOOLS, tools)
+    for old, new in swaps.values():
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def delegating_to(tmp_path: Path, child: str, extra: str = "") -> Path:
+    """tmp_path/parent.yaml: delegate.yaml handing the task to `child` (a file in tmp_path)."""
     parent = tmp_path / "parent.yaml"
-    parent.write_text(
-        (DATA / "delegate.yaml").read_text().replace("workflow: step.yaml", "workflow: child.yaml")
-    )
-    marks, block, store = tmp_path / "marks.txt", tmp_path / "block", tmp_path / "runs.db"
+    text = (DATA / "delegate.yaml").read_text().replace("workflow: step.yaml", f"workflow: {child}")
+    parent.write_text(text + extra)
+    return parent
+
+
+def blocking_env(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """The environment of a run whose `blocking:slow` tool notes each call in the first path
+    and waits while the second exists (created here)."""
+    (tmp_path / "blocking.py").write_text(BLOCKING)
+    marks, block = tmp_path / "marks.txt", tmp_path / "block"
     block.touch()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
            "CR_MARKS": str(marks), "CR_BLOCK": str(block)}  # fmt: skip
-    server.enqueue(tool_reply(call("slow", {"tag": "one"}, id="t1")))
-    base = [sys.executable, "-m", "fsm_kernel"]
-    flags = ["--base-url", server.base_url, "--model", "m", "--store", str(store), "--json"]
+    return env, marks, block
+
+
+def kill_once_marked(command: list[str], env: dict[str, str], marks: Path) -> None:
+    """Start `command` and SIGKILL it once its blocking tool has started (`marks` exists)."""
     first = subprocess.Popen(
-        [*base, "run", str(parent), "-p", "go", *flags],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not marks.exists():
-            assert time.monotonic() < deadline, "the child's tool never started"
+            assert time.monotonic() < deadline, "the blocking tool never started"
             assert first.poll() is None, "the run ended before it was killed"
             time.sleep(0.05)
     finally:
         first.kill()
         first.wait(timeout=10)
+
+
+def test_a_crash_inside_a_child_is_finished_by_resuming_the_parent(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    default_variant(tmp_path, "child", "tools: ['blocking:slow']")
+    parent = delegating_to(tmp_path, "child.yaml")
+    env, marks, block = blocking_env(tmp_path)
+    store = tmp_path / "runs.db"
+    server.enqueue(tool_reply(call("slow", {"tag": "one"}, id="t1")))
+    base = [sys.executable, "-m", "fsm_kernel"]
+    flags = ["--base-url", server.base_url, "--model", "m", "--store", str(store), "--json"]
+    kill_once_marked([*base, "run", str(parent), "-p", "go", *flags], env, marks)
     with SqliteEventStore(store) as events:
         runs = events.list_runs()
     (top,) = [r for r in runs if r.parent_run_id is None]
@@ -389,18 +412,8 @@ def test_call_states_are_checked(
 def test_a_child_that_waits_for_a_person_makes_its_parent_wait(
     capsys: pytest.CaptureFixture[str], server: FakeOpenAIServer, tmp_path: Path
 ) -> None:
-    child = tmp_path / "careful.yaml"
-    child.write_text(
-        (ROOT / "workflows" / "default.yaml").read_text().replace("name: default", "name: careful")
-        .replace("tools: [datetime, read_file, list_directory, done]",
-                 "tools: [{name: datetime, approval: required}]")
-    )  # fmt: skip
-    parent = tmp_path / "parent.yaml"
-    parent.write_text(
-        (DATA / "delegate.yaml")
-        .read_text()
-        .replace("workflow: step.yaml", "workflow: careful.yaml")
-    )
+    default_variant(tmp_path, "careful", "tools: [{name: datetime, approval: required}]")
+    parent = delegating_to(tmp_path, "careful.yaml")
     store = tmp_path / "runs.db"
     server.enqueue(tool_reply(call("datetime", {}, id="t1")))
 
@@ -498,7 +511,6 @@ def test_a_resumed_parent_keeps_the_ending_its_child_had(
 ) -> None:
     """A child that ended agent_error (which a direct resume could reopen) stays ended when its
     parent is resumed: the parent already went on with that outcome."""
-    (tmp_path / "blocking.py").write_text(BLOCKING)
     parent = tmp_path / "after.yaml"
     parent.write_text(
         "name: after\n"
@@ -515,27 +527,13 @@ def test_a_resumed_parent_keeps_the_ending_its_child_had(
         "  - {source: work, target: terminate, reason: final_answer}\n"
         "  - {source: act, target: work}\n"
     )
-    marks, block, store = tmp_path / "marks.txt", tmp_path / "block", tmp_path / "runs.db"
-    block.touch()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
-           "CR_MARKS": str(marks), "CR_BLOCK": str(block)}  # fmt: skip
+    env, marks, block = blocking_env(tmp_path)
+    store = tmp_path / "runs.db"
     server.enqueue(http_error(500), tool_reply(call("slow", {"tag": "t"}, id="t1")))
     base = [sys.executable, "-m", "fsm_kernel"]
     flags = ["--base-url", server.base_url, "--model", "m", "--store", str(store), "--json",
              "--max-retries", "0"]  # fmt: skip
-    first = subprocess.Popen(
-        [*base, "run", str(parent), "-p", "go", *flags],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not marks.exists():
-            assert time.monotonic() < deadline, "the parent's tool never started"
-            assert first.poll() is None, "the run ended before it was killed"
-            time.sleep(0.05)
-    finally:
-        first.kill()
-        first.wait(timeout=10)
+    kill_once_marked([*base, "run", str(parent), "-p", "go", *flags], env, marks)
     with SqliteEventStore(store) as events:
         kid = next(r for r in events.list_runs() if r.parent_run_id)
         top = next(r for r in events.list_runs() if r.parent_run_id is None)

@@ -118,9 +118,6 @@ def test_a_childs_own_agent_keys_win_and_the_key_stays_with_its_origin(
     assert names - set(environ) == dropped
 
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "children"
-
-
 def test_children_use_the_agents_own_model_and_its_person(tmp_path: Path) -> None:
     """An Agent's `chat_model` and `human` serve its runs' children too: no server is asked,
     and a child's approval goes to the person instead of suspending the run."""
@@ -128,20 +125,10 @@ def test_children_use_the_agents_own_model_and_its_person(tmp_path: Path) -> Non
 
     from fsm_kernel.testing import ScriptedHuman
     from fsm_kernel.workflow.human import HumanAnswer
+    from tests.integration.test_child_runs import default_variant, delegating_to
 
-    careful = tmp_path / "careful.yaml"
-    careful.write_text(
-        (Path(fsm_kernel.__file__).parents[1] / "workflows" / "default.yaml").read_text()
-        .replace("name: default", "name: careful")
-        .replace("tools: [datetime, read_file, list_directory, done]",
-                 "tools: [{name: datetime, approval: required}]")
-    )  # fmt: skip
-    parent = tmp_path / "parent.yaml"
-    parent.write_text(
-        (DATA / "delegate.yaml")
-        .read_text()
-        .replace("workflow: step.yaml", "workflow: careful.yaml")
-    )
+    default_variant(tmp_path, "careful", "tools: [{name: datetime, approval: required}]")
+    parent = delegating_to(tmp_path, "careful.yaml")
     model = Counting(
         Message.assistant("", [ToolCall(id="t1", name="datetime", arguments={})]),
         Message.assistant("It is noon."),
