@@ -371,7 +371,7 @@ class Kernel:
             if fired.final:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.record(EventType.STATE_ENTERED, {})
-            await recorder.flush()  # the step (action, transition) is durable before the next
+            await recorder.end_step()  # the step is committed before the next one waits
             if transitions >= ctx.limits.max_transitions:
                 raise _Stop(
                     TerminationReason.NO_PROGRESS,

@@ -11,6 +11,8 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
@@ -34,6 +36,12 @@ _SYNC_BEFORE = frozenset(
         EventType.HUMAN_ANSWERED,  # a person's answer is never asked for twice
         EventType.RUN_SUSPENDED,
     }
+)
+
+# What a resume records again, identically, from the events before them: a step that recorded
+# only these (a pure state's transition) needs no commit of its own (see RunRecorder.end_step).
+_REDERIVED = frozenset(
+    {EventType.TRANSITION_TAKEN, EventType.STATE_ENTERED, EventType.ITERATION_COMPLETED}
 )
 
 # Keys whose values must match for a recorded event to count as "the same step" during catch-up.
@@ -70,8 +78,11 @@ class RunRecorder:
         self.diverged_at: Event | None = None
         self._pending: list[Event] = []
         self._inflight: asyncio.Future[None] | None = None
+        self._soon: asyncio.Handle | None = None
         self._relaxable = _takes_durable(store)
         self._append_if_idle = _idle_append(store) if self._relaxable else None
+        self._sync_if_idle = _idle_sync(self._append_if_idle)
+        self._writer_of: tuple[asyncio.AbstractEventLoop, _Writer] | None = None
 
     @property
     def catching_up(self) -> bool:
@@ -104,21 +115,39 @@ class RunRecorder:
         """
         if not self._pending:
             return
+        if self._soon is not None:  # this commit takes the deferred events along
+            self._soon.cancel()
+            self._soon = None
         batch, self._pending = self._pending, []
         if durable is None:
             durable = any(e.type in _SYNC_BEFORE for e in batch)
-        if not durable and self._append_if_idle is not None and self._settled():
-            if self._append_if_idle(batch):  # a relaxed local commit: no thread hand-off
-                return
-        if self._settled():  # the usual case: straight to the writer, no task in between
-            self._inflight = self._writer().submit(batch, durable)
+        written = self._start(batch, durable)
+        if written is not None:
+            await asyncio.shield(written)
+
+    def _start(self, batch: list[Event], durable: bool) -> asyncio.Future[None] | None:
+        """Start writing `batch` after every earlier one; its future, or None when it was
+        committed at once on the event loop: a relaxed local commit, or a durable one of a
+        run that writes alone to a store whose syncs are fast (no thread hand-off)."""
+        writer = self._writer()
+        alone = writer.alone(self.run_id)
+        if self._settled():
+            at_once = self._sync_if_idle if durable and alone else None
+            if not durable:
+                at_once = self._append_if_idle
+            if at_once is not None and at_once(batch):
+                return None
+            self._inflight = writer.submit(batch, durable)  # the usual case: no task between
         else:
             self._inflight = asyncio.ensure_future(self._write(self._inflight, batch, durable))
-        await asyncio.shield(self._inflight)
+        return self._inflight
 
     def _writer(self) -> _Writer:
         assert self.store is not None  # only then are events pending
-        return _Writer.of(self.store, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._writer_of is None or self._writer_of[0] is not loop:
+            self._writer_of = (loop, _Writer.of(self.store, loop))
+        return self._writer_of[1]
 
     def _settled(self) -> bool:
         """No earlier write is still going (or failed unseen): this batch may go first."""
@@ -126,6 +155,38 @@ class RunRecorder:
         return previous is None or (
             previous.done() and not previous.cancelled() and previous.exception() is None
         )
+
+    async def end_step(self) -> None:
+        """What the kernel does at the end of each step: commit it (`flush`), unless all the
+        step recorded is bookkeeping a resume records again identically (transitions, states
+        entered, iteration summaries: `_REDERIVED`). Those wait for the run's next commit, or
+        for the run's next turn away from the event loop, whichever comes first: a step that
+        asks the model or runs a tool commits them with its own events, and one that waits on
+        anything else (a sleep, a custom action's I/O) lets them go first. So a process killed
+        while the run computes loses only what its resume records again, readers see every
+        state the run waits in, and a pure step costs no commit of its own."""
+        if not self._pending:
+            return
+        if any(e.type not in _REDERIVED for e in self._pending):
+            await self.flush()
+        elif self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._flush_deferred)
+
+    def _flush_deferred(self) -> None:
+        """The commit `end_step` put off, when nothing took it along meanwhile. A failure
+        surfaces in the run's next flush, as a failed write's always does."""
+        self._soon = None
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            written = self._start(batch, durable=False)
+        except Exception as exc:  # the inline commit failed: the next flush raises it
+            written = asyncio.get_running_loop().create_future()
+            written.set_exception(exc)
+            self._inflight = written
+        if written is not None:
+            written.add_done_callback(_seen)
 
     async def sync(self) -> None:
         """`flush(durable=True)`: commit and wait for the disk (before a side effect)."""
@@ -189,6 +250,12 @@ class RunRecorder:
         return recorded
 
 
+def _seen(future: asyncio.Future[None]) -> None:
+    """Mark a background write's failure as retrieved: the run's next flush raises it."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _takes_durable(store: EventStore | None) -> bool:
     """Whether `store.append` accepts `durable=` (the stores of fsm_kernel.store do)."""
     if store is None:
@@ -209,6 +276,20 @@ def _idle_append(store: EventStore | None) -> Callable[[Sequence[Event]], bool] 
     if owner is None or owner is not getattr(getattr(store, "append", None), "__self__", None):
         return None
     return cast(Callable[[Sequence[Event]], bool], append_if_idle)
+
+
+def _idle_sync(append_if_idle: Callable[..., bool] | None) -> Callable[[list[Event]], bool] | None:
+    """`append_if_idle(batch, durable=True)`, when the store's `append_if_idle` takes it."""
+    if append_if_idle is None:
+        return None
+    parameter = inspect.signature(append_if_idle).parameters.get("durable")
+    if parameter is None or parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
+        return None
+    return functools.partial(append_if_idle, durable=True)
+
+
+_LONE_WINDOW = 0.05
+"""Seconds since another run's last write after which a run counts as writing alone."""
 
 
 class _Writer:
@@ -233,6 +314,22 @@ class _Writer:
         self._batches = owned and self._relaxable  # the store's own, taking durable= too
         self._waiting: list[tuple[list[Event], bool, asyncio.Future[None]]] = []
         self._busy = False
+        self._last: tuple[str, float] = ("", -math.inf)
+        """The run that wrote last, and when."""
+        self._before: tuple[str, float] = ("", -math.inf)
+        """The last write of any other run than that."""
+
+    def alone(self, run_id: str) -> bool:
+        """Note that `run_id` writes now; whether it writes alone: no write is queued or going
+        here and no other run wrote in the last _LONE_WINDOW seconds. A lone run may make its
+        durable commits on the event loop; runs that write together share the thread's
+        commits and syncs instead (one sync for many beats many on the loop)."""
+        now = time.monotonic()
+        other = self._before if self._last[0] == run_id else self._last
+        if self._last[0] != run_id:
+            self._before = self._last
+        self._last = (run_id, now)
+        return not self._busy and not self._waiting and now - other[1] > _LONE_WINDOW
 
     @classmethod
     def of(cls, store: EventStore, loop: asyncio.AbstractEventLoop) -> _Writer:

@@ -218,12 +218,16 @@ def parse_ts(text: str) -> datetime:
     return datetime.fromisoformat(text).astimezone(UTC)
 
 
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+)
+"""One encoder for every event (json.dumps with these options would build one per call)."""
+
+
 def encode_data(event: Event) -> str:
     """The event's data as compact JSON; StoreError when it is not plain JSON."""
     try:
-        return json.dumps(
-            event.data, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
-        )
+        return _ENCODER.encode(event.data)
     except (TypeError, ValueError) as exc:
         raise StoreError(
             f"event {event.run_id}#{event.seq} ({event.type}): data is not plain JSON: {exc}"

@@ -47,6 +47,7 @@ from fsm_kernel.store._schema import (
     resolve_run,
     summarize_batch,
 )
+from fsm_kernel.store._synccost import SyncCost
 
 __all__ = ["JsonlEventStore", "export_run", "import_events"]
 
@@ -79,6 +80,7 @@ class JsonlEventStore:
         self._lineno = 0
         self._torn = False
         self._needs_newline = False
+        self._sync_cost = SyncCost()
         self._events: dict[str, dict[int, Event]] = {}
         self._runs: dict[str, RunSummary] = {}
         self._run_locks = RunLockFile(self.path.with_name(self.path.name + RUN_LOCKS_SUFFIX))
@@ -120,15 +122,19 @@ class JsonlEventStore:
         with self._lock, self._flocked(fcntl.LOCK_EX):
             self._append_locked(prepared, durable=durable)
 
-    def append_if_idle(self, events: Sequence[Event]) -> bool:
-        """`append(events, durable=False)` done at once on the calling thread when neither
+    def append_if_idle(self, events: Sequence[Event], *, durable: bool = False) -> bool:
+        """`append(events, durable=durable)` done at once on the calling thread when neither
         another thread nor another process holds the file; False, with nothing done,
         otherwise. An append without fsync is a few microseconds of work, so the run recorder
-        makes it on the event loop rather than handing it to a thread.
+        makes it on the event loop rather than handing it to a thread. A durable one waits
+        for the disk, so it is made only while this store's fsyncs are fast (see SyncCost),
+        else False.
 
         Raises:
             StoreConflictError, StoreError: as `append`.
         """
+        if durable and not self._sync_cost.cheap:
+            return False
         prepared = self._prepare(events)
         if prepared is None:
             return True
@@ -143,7 +149,7 @@ class JsonlEventStore:
             except OSError as exc:
                 raise StoreError(f"{self.path}: cannot lock: {exc}") from exc
             try:
-                self._append_locked(prepared, durable=False)
+                self._append_locked(prepared, durable=durable)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -344,7 +350,8 @@ class JsonlEventStore:
         try:
             _write_all(fd, payload)
             if durable:
-                os.fsync(fd)
+                with self._sync_cost.timing(durable):
+                    os.fsync(fd)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._offset)  # leave no half-written batch behind

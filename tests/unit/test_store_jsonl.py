@@ -56,6 +56,24 @@ def test_only_durable_appends_fsync(store: JsonlEventStore, fsyncs: list[int]) -
     assert [e.seq for e in store.read("r")] == [1, 2, 3]
 
 
+def test_a_durable_idle_append_fsyncs_only_while_fsyncs_are_fast(
+    store: JsonlEventStore, fsyncs: list[int]
+) -> None:
+    assert store.append_if_idle([ev(1)], durable=True) is False  # not measured yet
+    assert fsyncs == []
+    assert store.read("r") == []
+    store.append([ev(1)])
+    assert len(fsyncs) == 1
+    assert store._sync_cost.average is not None
+    store._sync_cost.average = 0.0
+    assert store.append_if_idle([ev(2)], durable=True) is True
+    assert len(fsyncs) == 2
+    store._sync_cost.average = 1.0
+    assert store.append_if_idle([ev(3)], durable=True) is False
+    assert len(fsyncs) == 2
+    assert [e.seq for e in store.read("r")] == [1, 2]
+
+
 def test_idle_appends_are_seen_by_another_store(store: JsonlEventStore, tmp_path: Path) -> None:
     assert store.append_if_idle([ev(1)]) is True
     with JsonlEventStore(tmp_path / "runs.jsonl") as other:

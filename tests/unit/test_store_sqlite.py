@@ -17,6 +17,7 @@ import fsm_kernel.store.sqlite as sqlite_module
 from fsm_kernel.errors import StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.store._synccost import INLINE_SYNC_MAX, SyncCost
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -162,6 +163,64 @@ def test_checkpoints_follow_durable_commits_never_idle_ones(
     assert not [s for s in statements if "wal_checkpoint" in s]
     store.append([ev(8)])
     assert [s for s in statements if "wal_checkpoint" in s] == ["PRAGMA wal_checkpoint(PASSIVE)"]
+
+
+def test_a_durable_idle_append_waits_until_the_disk_is_known_to_be_fast(
+    store: SqliteEventStore,
+) -> None:
+    store._sync_cost = SyncCost()  # nothing measured yet: the loop must not wait on the disk
+    statements = traced(store)
+    assert store.append_if_idle([ev(2)], durable=True) is False
+    assert [e.seq for e in store.read("r")] == [1]  # nothing written
+    store.append([ev(2)])  # a durable commit made the usual way measures the disk
+    assert store._sync_cost.average is not None
+    store._sync_cost.average = INLINE_SYNC_MAX / 2
+    del statements[:]
+    assert store.append_if_idle([ev(3)], durable=True) is True
+    assert "PRAGMA synchronous = NORMAL" not in statements  # it stayed a syncing commit
+    assert store._sync_cost.average != INLINE_SYNC_MAX / 2  # timed too
+    store._sync_cost.average = INLINE_SYNC_MAX * 2  # a slow disk: back to a thread
+    assert store.append_if_idle([ev(4)], durable=True) is False
+    assert store.append_if_idle([ev(4)]) is True  # a relaxed one waits for no disk
+    assert [e.seq for e in store.read("r")] == [1, 2, 3, 4]
+
+
+def test_a_durable_idle_commit_syncs(store: SqliteEventStore) -> None:
+    store.append([ev(2)], durable=False)  # the connection now commits without syncing
+    store._sync_cost.average = 0.0
+    statements = traced(store)
+    assert store.append_if_idle([ev(3)], durable=True) is True
+    assert "PRAGMA synchronous = FULL" in statements
+    assert statements.index("PRAGMA synchronous = FULL") < statements.index("COMMIT")
+
+
+def test_a_durable_idle_append_leaves_a_due_checkpoint_to_a_thread(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_module, "CHECKPOINT_EVERY", 3)
+    store._sync_cost.average = 0.0
+    store._commits = 0
+    assert store.append_if_idle([ev(2)], durable=True) is True
+    assert store.append_if_idle([ev(3)], durable=True) is True
+    assert store.append_if_idle([ev(4)], durable=True) is False  # the 3rd: a checkpoint is due
+    assert store.append_if_idle([ev(4)]) is True  # relaxed: never checkpoints
+    statements = traced(store)
+    store.append([ev(5)])
+    assert "PRAGMA wal_checkpoint(PASSIVE)" in statements
+    assert store._commits == 0
+
+
+def test_the_wal_is_rewritten_in_place_not_grown(store: SqliteEventStore) -> None:
+    wal = store.path.with_name(store.path.name + "-wal")
+    sizes = []
+    for seq in range(2, 1202):
+        store.append([ev(seq, data={"text": "x" * 300})], durable=seq % 2 == 0)
+        if seq % 300 == 0:
+            sizes.append(wal.stat().st_size)
+    # a checkpoint every CHECKPOINT_EVERY (64) commits lets the next commit start the WAL
+    # over: it holds about 64 commits of a few 1 KiB pages, whatever the number of commits
+    assert sizes[-1] <= sizes[0] * 1.1, sizes
+    assert max(sizes) < 400_000, sizes
 
 
 def test_bookkeeping_batches_leave_the_runs_row_alone(store: SqliteEventStore) -> None:

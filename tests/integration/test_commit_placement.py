@@ -1,0 +1,298 @@
+"""Where a run's commits go and what each holds: a pure step's bookkeeping rides with the next
+commit (or goes when the run next waits), a lone run's durable commits are made on the event
+loop while the disk is fast, and runs that write together share the writer thread."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fsm_kernel.recorder as recorder_module
+import fsm_kernel.store._synccost as synccost
+from fsm_kernel.errors import StoreError
+from fsm_kernel.kernel import Kernel
+from fsm_kernel.protocol import Completion, Event, Message, Tool, ToolCall
+from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.store._sql import PendingAppend
+from fsm_kernel.tools import builtin_registry
+from fsm_kernel.workflow.compiler import compile_workflow
+from fsm_kernel.workflow.loader import load_workflow, load_workflow_text
+
+DEFAULT = Path(__file__).resolve().parents[2] / "workflows" / "default.yaml"
+BOOKKEEPING = {"transition.taken", "state.entered", "iteration.completed"}
+
+
+class CommitLog(SqliteEventStore):
+    """A SQLite store that notes every commit: its event types, durable or not, and the
+    thread it was made on."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.commits: list[tuple[list[str], bool, int]] = []
+
+    def _commit(self, group: list[PendingAppend], *, checkpoint: bool = True) -> None:
+        for job in group:
+            types = [e.type.value for e in job.batch]
+            self.commits.append((types, job.durable, threading.get_ident()))
+        super()._commit(group, checkpoint=checkpoint)
+
+
+ZONES = ["UTC", "Europe/Paris", "Asia/Tokyo", "America/Lima"]
+
+
+class ClockThenAnswer:
+    """A `datetime` call (another zone each turn) for each of `calls` turns, then an answer."""
+
+    def __init__(self, calls: int = 1) -> None:
+        self.calls = calls
+        self.turns = 0
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+        self.turns += 1
+        if self.turns <= self.calls:
+            zone = {"timezone": ZONES[self.turns - 1]}
+            call = ToolCall(id=f"c{self.turns}", name="datetime", arguments=zone)
+            return Completion(message=Message.assistant("", [call]))
+        return Completion(message=Message.assistant("It is noon."))
+
+
+def default_kernel(store: SqliteEventStore, calls: int = 1) -> Kernel:
+    return Kernel(
+        compile_workflow(load_workflow(DEFAULT)),
+        model=ClockThenAnswer(calls),
+        tools=builtin_registry("."),
+        store=store,
+    )
+
+
+def test_a_pure_steps_bookkeeping_rides_with_the_next_commit(tmp_path: Path) -> None:
+    store = CommitLog(tmp_path / "runs.db")
+    result = asyncio.run(default_kernel(store, calls=3).run("What time is it?"))
+
+    assert result.termination_reason == "final_answer"
+    # no commit of transitions and states alone: evaluate -> observe -> think go with the
+    # model request that follows them
+    assert all(set(types) - BOOKKEEPING for types, _, _ in store.commits), store.commits
+    riding = [t for t, _, _ in store.commits if "model.requested" in t and "transition.taken" in t]
+    assert len(riding) == 4  # every model request took the steps before it along
+    assert store.read(result.run_id) == result.events  # nothing lost, nothing reordered
+    store.close()
+
+
+WAITS = """
+name: waits
+initial: start
+states:
+  start: {action: "waiting_action:note"}
+  wait: {action: "waiting_action:wait_here"}
+  done: {final: true}
+transitions:
+  - {source: start, target: wait}
+  - {source: wait, target: done, reason: final_answer}
+"""
+
+WAITING_ACTION = """
+import asyncio
+
+entered = None
+release = None
+
+
+def note(ctx):
+    pass
+
+
+async def wait_here(ctx):
+    entered.set()
+    await release.wait()
+    await asyncio.sleep(0)
+"""
+
+
+@pytest.fixture
+def waiting_action(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    (tmp_path / "waiting_action.py").write_text(WAITING_ACTION)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import waiting_action
+
+    monkeypatch.setitem(sys.modules, "waiting_action", waiting_action)  # gone after the test
+    return waiting_action
+
+
+def waits_kernel(store: SqliteEventStore) -> Kernel:
+    spec = load_workflow_text(WAITS, path="waits.yaml")
+    return Kernel(compile_workflow(spec), model=ClockThenAnswer(), tools=None, store=store)
+
+
+def test_a_run_waiting_on_anything_else_commits_the_state_it_waits_in_first(
+    tmp_path: Path, waiting_action: Any
+) -> None:
+    path = tmp_path / "runs.db"
+    store = CommitLog(path)
+
+    async def main() -> tuple[list[tuple[str, str | None]], str]:
+        waiting_action.entered, waiting_action.release = asyncio.Event(), asyncio.Event()
+        task = asyncio.ensure_future(waits_kernel(store).run("wait", run_id="w1"))
+        await waiting_action.entered.wait()
+        await asyncio.sleep(0)  # the run is parked in its action: the loop has had a turn
+        with SqliteEventStore(path, read_only=True) as reader:  # another process's view
+            seen = [(e.type.value, e.state) for e in reader.read("w1")]
+        waiting_action.release.set()
+        return seen, (await task).termination_reason
+
+    seen, reason = asyncio.run(main())
+
+    assert reason == "final_answer"
+    assert seen[-2:] == [("transition.taken", "start"), ("state.entered", "wait")]
+    assert [t for t, _, _ in store.commits][1] == ["transition.taken", "state.entered"]
+    store.close()
+
+
+class FailsOnBookkeeping(SqliteEventStore):
+    """Refuses, at once on the loop, a commit of bookkeeping only (a full disk, say)."""
+
+    def append_if_idle(self, events: Sequence[Event], *, durable: bool = False) -> bool:
+        if {e.type.value for e in events} <= BOOKKEEPING:
+            raise StoreError(f"{self.path}: append failed: database or disk is full")
+        return super().append_if_idle(events, durable=durable)
+
+
+def test_a_put_off_commit_that_fails_fails_the_run_at_its_next_write(
+    tmp_path: Path, waiting_action: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FailsOnBookkeeping(tmp_path / "runs.db")
+
+    async def main() -> Exception:
+        waiting_action.entered, waiting_action.release = asyncio.Event(), asyncio.Event()
+        waiting_action.release.set()
+        with pytest.raises(StoreError) as failed:
+            await waits_kernel(store).run("wait", run_id="w2")
+        return failed.value
+
+    error = asyncio.run(main())
+
+    assert "database or disk is full" in str(error)
+    assert "Task exception was never retrieved" not in caplog.text
+    assert "Exception in callback" not in caplog.text
+    stored = [e.type.value for e in store.read("w2")]
+    assert stored == ["run.started", "state.entered"]  # nothing after the gap
+    store.close()
+
+
+def test_a_lone_runs_durable_commits_are_made_on_the_loop_while_the_disk_is_fast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(synccost, "INLINE_SYNC_MAX", 60.0)  # any disk counts as fast
+    store = CommitLog(tmp_path / "runs.db")
+    loop_thread: list[int] = []
+
+    async def main() -> str:
+        loop_thread.append(threading.get_ident())
+        return (await default_kernel(store, calls=3).run("What time is it?")).termination_reason
+
+    assert asyncio.run(main()) == "final_answer"
+
+    durable = [thread == loop_thread[0] for _, is_durable, thread in store.commits if is_durable]
+    assert len(durable) == 8  # 4 model requests, 3 tool starts, the ending
+    assert durable == [False] + [True] * 7  # the first one measures the disk, off the loop
+    store.close()
+
+
+def test_a_slow_disk_keeps_durable_commits_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(synccost, "INLINE_SYNC_MAX", 0.0)  # no sync is fast enough
+    store = CommitLog(tmp_path / "runs.db")
+    loop_thread: list[int] = []
+
+    async def main() -> str:
+        loop_thread.append(threading.get_ident())
+        return (await default_kernel(store, calls=3).run("What time is it?")).termination_reason
+
+    assert asyncio.run(main()) == "final_answer"
+
+    durable = [thread for _, is_durable, thread in store.commits if is_durable]
+    assert len(durable) == 8
+    assert loop_thread[0] not in durable
+    relaxed = [thread for _, is_durable, thread in store.commits if not is_durable]
+    assert set(relaxed) == {loop_thread[0]}  # a relaxed commit costs less than a hand-off
+    store.close()
+
+
+def test_runs_writing_together_share_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(synccost, "INLINE_SYNC_MAX", 60.0)
+    store = CommitLog(tmp_path / "runs.db")
+    loop_thread: list[int] = []
+
+    async def main() -> list[str]:
+        loop_thread.append(threading.get_ident())
+        kernels = [default_kernel(store, calls=3) for _ in range(4)]
+        results = await asyncio.gather(*(k.run(f"task {i}") for i, k in enumerate(kernels)))
+        return [r.termination_reason for r in results]
+
+    assert asyncio.run(main()) == ["final_answer"] * 4
+
+    durable = [thread for _, is_durable, thread in store.commits if is_durable]
+    assert len(durable) == 4 * 8
+    assert durable.count(loop_thread[0]) <= 1  # only a run that found nobody else writing
+    store.close()
+
+
+def test_a_run_writes_alone_until_another_run_wrote_within_the_window(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(recorder_module.time, "monotonic", lambda: now[0])
+    store = SqliteEventStore(tmp_path / "runs.db")
+    writer = recorder_module._Writer(store)
+
+    assert writer.alone("a") is True  # nobody wrote before
+    assert writer.alone("a") is True  # nor anybody else since
+    now[0] += recorder_module._LONE_WINDOW / 2
+    assert writer.alone("b") is False  # a wrote just now
+    assert writer.alone("b") is False  # still within the window of a's write
+    assert writer.alone("a") is False  # and b just now
+    now[0] += recorder_module._LONE_WINDOW / 2 + 0.001
+    assert writer.alone("a") is False  # b wrote after a's previous write
+    now[0] += recorder_module._LONE_WINDOW + 0.001
+    assert writer.alone("b") is True  # a's last write is older than the window
+    writer._busy = True
+    assert writer.alone("b") is False  # a write is going: join it in the thread
+    writer._busy = False
+    loop = asyncio.new_event_loop()
+    try:
+        writer._waiting.append(([], True, loop.create_future()))
+        assert writer.alone("b") is False  # a write is queued
+    finally:
+        loop.close()
+    store.close()
+
+
+def test_sync_cost_is_a_moving_average_of_durable_commits_only() -> None:
+    cost = synccost.SyncCost()
+    assert cost.average is None
+    assert cost.cheap is False
+    cost.add(0.001)
+    assert cost.average == 0.001
+    assert cost.cheap is True
+    cost.add(0.009)
+    assert cost.average == pytest.approx(0.003)  # a quarter of the way to the newest
+    assert cost.cheap is False
+    with cost.timing(durable=False):
+        time.sleep(0.01)
+    assert cost.average == pytest.approx(0.003)  # relaxed commits are not timed
+    with cost.timing(durable=True):
+        time.sleep(0.02)
+    assert cost.average is not None
+    assert cost.average > 0.003 + 0.25 * 0.017
+    with pytest.raises(RuntimeError), cost.timing(durable=True):
+        raise RuntimeError("a failed commit still took its time")
