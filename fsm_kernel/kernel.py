@@ -363,7 +363,8 @@ class Kernel:
     ) -> TerminationReason | str:
         transitions = 0
         while not machine.is_final:
-            await self._act(ctx, machine.state, recorder)
+            state = machine.state
+            await self._act(ctx, state, recorder)
             fired = await machine.advance()
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
@@ -371,7 +372,9 @@ class Kernel:
             if fired.final:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.record(EventType.STATE_ENTERED, {})
-            await recorder.end_step()  # the step is committed before the next one waits
+            # committed before the run next waits; at once after a user's action
+            action = self.workflow.actions.get(state)
+            await recorder.end_step(at_once=action is not None and action.user_code)
             if transitions >= ctx.limits.max_transitions:
                 raise _Stop(
                     TerminationReason.NO_PROGRESS,

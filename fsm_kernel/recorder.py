@@ -38,11 +38,9 @@ _SYNC_BEFORE = frozenset(
     }
 )
 
-# What a resume records again, identically, from the events before them: a step that recorded
-# only these (a pure state's transition) needs no commit of its own (see RunRecorder.end_step).
-_REDERIVED = frozenset(
-    {EventType.TRANSITION_TAKEN, EventType.STATE_ENTERED, EventType.ITERATION_COMPLETED}
-)
+# A step that recorded one of these is committed as soon as it ends: a tool call that finished
+# must not be repeated by a resume (see RunRecorder.end_step).
+_AT_STEP_END = frozenset({EventType.TOOL_FINISHED})
 
 # Keys whose values must match for a recorded event to count as "the same step" during catch-up.
 _IDENTITY: dict[EventType, tuple[str, ...]] = {
@@ -92,23 +90,27 @@ class RunRecorder:
         self.record(type_, data)
 
     async def flush(self, *, durable: bool | None = None) -> None:
-        """Commit every event recorded so far, in one batch, off the event loop (a store's
-        append is blocking I/O: a network round trip for PostgreSQL), in order.
+        """Commit every event recorded so far, in one batch, in order.
 
-        The kernel flushes at the end of each step and actions flush before each model and
-        tool call, so what a step did is committed before the next one starts, as if each
-        event had been appended alone: a process killed at any point (SIGKILL included) loses
-        at most the step in flight. `durable` says whether the commit must also reach the disk
-        before this returns; by default it does when the batch precedes a model or tool call
-        (model.requested, tool.started) or ends the run, and a store whose `append` takes
-        `durable` commits the other batches (pure steps: states entered, transitions, results
-        already in hand) without waiting for the disk: the next synced commit, at the latest
-        before the next side effect, takes them to disk with it. So a machine crash too loses
-        nothing past the last model or tool call started. Stores without the option sync
-        every batch. A relaxed batch goes to the store's `append_if_idle` on the event loop
-        when it has one (SQLite, JSONL: a local commit costs less than a thread hand-off),
-        else to a thread like the rest; the runs sharing a store write through one `_Writer`,
-        which commits the batches that arrive together in one go.
+        Actions flush before each model call, tool call, person's question and child run,
+        and the kernel ends each step with `end_step`, so everything a run recorded is
+        committed before it waits on anything: a process killed at any point (SIGKILL
+        included) loses only what the run recorded since it last waited (see `end_step`).
+        `durable` says whether the commit must also reach the disk before this returns; by
+        default it does when the batch precedes a model or tool call (model.requested,
+        tool.started), holds a person's answer, or ends or suspends the run. A store whose
+        `append` takes `durable` commits the other batches without waiting for the disk: the
+        next synced commit, at the latest before the next model or tool call, takes them to
+        disk with it. So a machine crash too loses nothing recorded before the last model or
+        tool call started. Stores without the option sync every batch.
+
+        Where the commit is made: a relaxed batch goes to the store's `append_if_idle` on the
+        event loop when it has one (SQLite, JSONL: a local commit costs less than a thread
+        hand-off); a durable one too when this run writes alone to the store and the store's
+        syncs are fast (see `_Writer.alone` and the stores' SyncCost); anything else goes to
+        the thread of the `_Writer` that the runs sharing the store on this loop write
+        through, which commits the batches that arrive together in one go (one sync for many
+        runs). A blocking append never runs on the loop: a PostgreSQL commit is a round trip.
 
         If the awaiting task is cancelled, the write still completes, and the next flush
         waits for it, so the log never has a gap or a reordering.
@@ -156,18 +158,20 @@ class RunRecorder:
             previous.done() and not previous.cancelled() and previous.exception() is None
         )
 
-    async def end_step(self) -> None:
-        """What the kernel does at the end of each step: commit it (`flush`), unless all the
-        step recorded is bookkeeping a resume records again identically (transitions, states
-        entered, iteration summaries: `_REDERIVED`). Those wait for the run's next commit, or
-        for the run's next turn away from the event loop, whichever comes first: a step that
-        asks the model or runs a tool commits them with its own events, and one that waits on
-        anything else (a sleep, a custom action's I/O) lets them go first. So a process killed
-        while the run computes loses only what its resume records again, readers see every
-        state the run waits in, and a pure step costs no commit of its own."""
+    async def end_step(self, *, at_once: bool = False) -> None:
+        """What the kernel does at the end of each step: commit what the step recorded now
+        when it holds a tool call's result (a resume must not repeat the call) or `at_once`
+        (the step ran a user's action, which may have done what a resume must not redo);
+        else when the run next commits or next waits, whichever comes first. A built-in step
+        commits before it waits on the model, a tool, a person or a child run, so the step
+        before it rides with that commit (one commit per wait rather than one per step); a
+        run that waits on anything else (a sleep, a user's code in its thread, I/O) lets the
+        put-off commit go first. So readers see every state a run waits in, and a process
+        killed in between loses only what the run recorded since it last waited: a model's
+        reply at most, which a resume asks for again."""
         if not self._pending:
             return
-        if any(e.type not in _REDERIVED for e in self._pending):
+        if at_once or any(e.type in _AT_STEP_END for e in self._pending):
             await self.flush()
         elif self._soon is None:
             self._soon = asyncio.get_running_loop().call_soon(self._flush_deferred)

@@ -112,12 +112,11 @@ class SqliteEventStore(SqlEventStore):
             job = self._job(events, durable=durable)
             if job is None:
                 return True
-            conn = self._live()
-            if not self._impatient:  # another writer: give up, do not wait
-                conn.execute("PRAGMA busy_timeout = 0")
-                self._impatient = True
             self._idle_commit = True
             try:
+                if not self._impatient:  # another writer: give up, do not wait
+                    self._live().execute("PRAGMA busy_timeout = 0")
+                    self._impatient = True
                 self._commit([job], checkpoint=False)
             finally:
                 self._idle_commit = False

@@ -65,6 +65,9 @@ class ActionDef:
     starts_children: bool = False
     """It starts child runs (workflow.call, workflow.map): the kernel checks the iteration and
     token limits first, as before a model call."""
+    user_code: bool = False
+    """A user's action (`package.module:function`): it may have done anything a resume must
+    not redo, so the kernel commits its step as soon as it ends (see RunRecorder.end_step)."""
 
     async def __call__(self, ctx: RunContext) -> None:
         result = self.fn(ctx)
@@ -605,7 +608,8 @@ def resolve_action(name: str) -> ActionDef:
         known = ", ".join(sorted(BUILTIN_ACTIONS))
         raise RefError(f"unknown action {name!r} (built-in: {known}; or package.module:function)")
     fn = resolve_ref(name)
-    return ActionDef(name, _threaded(fn), calls_model=bool(getattr(fn, "calls_model", False)))
+    calls_model = bool(getattr(fn, "calls_model", False))
+    return ActionDef(name, _threaded(fn), calls_model=calls_model, user_code=True)
 
 
 def resolve_guard(name: str) -> Callable[[RunContext], bool]:

@@ -77,12 +77,51 @@ def test_a_pure_steps_bookkeeping_rides_with_the_next_commit(tmp_path: Path) -> 
     result = asyncio.run(default_kernel(store, calls=3).run("What time is it?"))
 
     assert result.termination_reason == "final_answer"
+    commits = [types for types, _, _ in store.commits]
     # no commit of transitions and states alone: evaluate -> observe -> think go with the
     # model request that follows them
-    assert all(set(types) - BOOKKEEPING for types, _, _ in store.commits), store.commits
-    riding = [t for t, _, _ in store.commits if "model.requested" in t and "transition.taken" in t]
+    assert all(set(types) - BOOKKEEPING for types in commits), commits
+    riding = [t for t in commits if "model.requested" in t and "transition.taken" in t]
     assert len(riding) == 4  # every model request took the steps before it along
+    # the model's reply goes with the tool call's start, in the commit the tool waits for
+    assert [t for t in commits if "model.responded" in t and "tool.started" in t] == [
+        ["model.responded", "transition.taken", "state.entered", "tool.started"]
+    ] * 3
+    # a tool's result is committed when its step ends, before anything else happens
+    assert [t for t in commits if "tool.finished" in t] == [
+        ["tool.finished", "transition.taken", "state.entered"]
+    ] * 3
+    assert len(commits) == 2 + 3 * 3 + 1  # start, first request; 3 per tool call; the end
     assert store.read(result.run_id) == result.events  # nothing lost, nothing reordered
+    store.close()
+
+
+USER_STEP = """
+name: user_step
+initial: start
+states:
+  start: {action: "waiting_action:note"}
+  think: {action: agent.think}
+  done: {final: true}
+transitions:
+  - {source: start, target: think}
+  - {source: think, target: done, reason: final_answer}
+"""
+
+
+def test_a_users_action_is_committed_as_soon_as_its_step_ends(
+    tmp_path: Path, waiting_action: Any
+) -> None:
+    store = CommitLog(tmp_path / "runs.db")
+    spec = load_workflow_text(USER_STEP, path="user_step.yaml")
+    kernel = Kernel(compile_workflow(spec), model=ClockThenAnswer(0), tools=None, store=store)
+    result = asyncio.run(kernel.run("note"))
+
+    assert result.termination_reason == "final_answer"
+    commits = [types for types, _, _ in store.commits]
+    # it may have done what a resume must not redo: its step does not wait for the model's
+    assert commits[1] == ["transition.taken", "state.entered"]
+    assert commits[2][0] == "model.requested"
     store.close()
 
 
@@ -90,7 +129,7 @@ WAITS = """
 name: waits
 initial: start
 states:
-  start: {action: "waiting_action:note"}
+  start: {action: session.observe}
   wait: {action: "waiting_action:wait_here"}
   done: {final: true}
 transitions:

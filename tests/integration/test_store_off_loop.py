@@ -1,6 +1,7 @@
-"""Store appends never block the event loop: events are written in batches from a thread, durable
-before the step that produced them ends, in order, and many runs on one PostgreSQL store go on
-concurrently while each waits on a slow model."""
+"""Blocking store appends never run on the event loop: a store that offers no idle append (a
+wrapper, PostgreSQL) is written in batches from a thread, in order, and many runs on one
+PostgreSQL store go on concurrently while each waits on a slow model. (Where a local store's
+commits go, and what each holds: test_commit_placement.)"""
 
 from __future__ import annotations
 
