@@ -114,7 +114,9 @@ def redact_data(value: Any) -> Any:
     """A copy of a JSON-like value with every string redacted; the input is not changed.
     Values that hold no secret are returned as they are (no copy)."""
     if isinstance(value, str):
-        return redact(value)
+        # Shorter text can hold neither a registered secret nor a credential-looking token
+        # (the shortest, `a://:p@`, is 7 characters): ids, names and numbers skip the scans.
+        return redact(value) if len(value) >= _MIN_SECRET_LENGTH else value
     if isinstance(value, dict):
         changed: dict[Any, Any] | None = None  # copied at the first value that changes
         for key, item in value.items():

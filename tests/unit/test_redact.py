@@ -115,6 +115,16 @@ def test_redact_data_walks_json_like_values_and_copies_only_what_changes() -> No
     assert dirty["list"] == ["s3cr3t-value", 2]  # the input is not changed
 
 
+def test_redact_data_scans_strings_as_short_as_the_shortest_secret() -> None:
+    register_secret("abc123")  # six characters: the shortest value registered
+    assert redact_data({"key": "abc123", "url": "a://:p@h"}) == {
+        "key": REDACTED,
+        "url": "a://:[REDACTED]@h",
+    }
+    short = ["abc12", "x"]  # shorter than any secret: returned as they are, unscanned
+    assert redact_data(short) is short
+
+
 def test_redact_lines() -> None:
     register_secret("s3cr3t-value")
 
