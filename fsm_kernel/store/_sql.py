@@ -459,8 +459,9 @@ class SqlEventStore:
         A durable append is on disk when it returns. One with `durable=False` is committed
         (every reader sees it, and it survives this process dying, by SIGKILL too) but may wait
         for the next durable commit, of any batch, to reach the disk: a machine crash or power
-        loss can take it. The recorder passes False for the bookkeeping of pure steps and True
-        before every model or tool call and at the end of a run.
+        loss can take it. The recorder passes True before every model or tool call, with a
+        person's answer and at the end or suspension of a run, and False for the commits in
+        between (a tool's result, the steps after it).
 
         Appends from several threads at once are committed together (group commit): one
         transaction, each batch in a savepoint of its own, so each still succeeds or fails
