@@ -5,6 +5,7 @@ loop while the disk is fast, and runs that write together share the writer threa
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import fsm_kernel.recorder as recorder_module
 import fsm_kernel.store._synccost as synccost
 from fsm_kernel.errors import StoreError
 from fsm_kernel.kernel import Kernel
-from fsm_kernel.protocol import Completion, Event, Message, Tool, ToolCall
+from fsm_kernel.protocol import Completion, Event, EventType, Message, Tool, ToolCall
 from fsm_kernel.store import SqliteEventStore
 from fsm_kernel.store._sql import PendingAppend
 from fsm_kernel.tools import builtin_registry
@@ -222,6 +223,36 @@ def test_a_put_off_commit_that_fails_fails_the_run_at_its_next_write(
     assert "Exception in callback" not in caplog.text
     stored = [e.type.value for e in store.read("w2")]
     assert stored == ["run.started", "state.entered"]  # nothing after the gap
+    store.close()
+
+
+def test_a_failed_put_off_commit_nobody_waits_for_is_not_reported_as_unseen(
+    tmp_path: Path,
+) -> None:
+    store = FailsOnBookkeeping(tmp_path / "runs.db")
+    reported: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _, context: reported.append(context)
+        )
+        recorder = recorder_module.RunRecorder("r", store)
+        recorder.record(EventType.RUN_STARTED, {"workflow": "w", "goal": "g"})
+        await recorder.flush()
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.end_step()
+        for _ in range(3):  # the put-off commit is made, fails, and its callbacks run
+            await asyncio.sleep(0)
+        failed = recorder._inflight
+        assert failed is not None
+        assert failed.done()  # failed (its exception left unread here, as in a dead run)
+        del recorder, failed  # a run that never writes again (its task destroyed)
+        gc.collect()
+
+    asyncio.run(main())
+
+    assert reported == []  # its failure was the run's to raise, not the loop's to report
+    assert [e.type for e in store.read("r")] == [EventType.RUN_STARTED]
     store.close()
 
 

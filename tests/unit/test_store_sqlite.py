@@ -104,6 +104,47 @@ def test_append_if_idle_gives_up_while_another_thread_holds_the_store(
     assert [e.seq for e in store.read("r")] == [1]
 
 
+def test_append_if_idle_gives_up_while_other_appends_wait_for_the_connection(
+    store: SqliteEventStore,
+) -> None:
+    waiting = sqlite_module.PendingAppend(batch=[ev(2)], rows=[], runs=[], durable=True)
+    store._queue.append(waiting)  # another thread's append, queued for the lock
+    try:
+        assert store.append_if_idle([ev(3)]) is False  # it would jump the queue
+    finally:
+        store._queue.clear()
+    assert [e.seq for e in store.read("r")] == [1]
+
+
+def test_a_failed_checkpoint_is_logged_and_the_commit_stands(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class NoCheckpoints:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if "wal_checkpoint" in sql:
+                raise sqlite3.OperationalError("disk I/O error")
+            return self.conn.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.conn, name)
+
+    monkeypatch.setattr(sqlite_module, "CHECKPOINT_EVERY", 1)
+    real = store._conn
+    assert real is not None
+    store._conn = NoCheckpoints(real)  # type: ignore[assignment]
+    try:
+        store.append([ev(2)])
+    finally:
+        store._conn = real
+    assert [e.seq for e in store.read("r")] == [1, 2]
+    [record] = [r for r in caplog.records if "checkpoint failed" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == f"{store.path}: checkpoint failed: disk I/O error"
+
+
 def test_append_if_idle_reports_conflicts_like_append(store: SqliteEventStore) -> None:
     with pytest.raises(StoreConflictError, match="seq 1 already exists"):
         store.append_if_idle([ev(1)])
@@ -208,6 +249,12 @@ def test_a_durable_idle_append_leaves_a_due_checkpoint_to_a_thread(
     store.append([ev(5)])
     assert "PRAGMA wal_checkpoint(PASSIVE)" in statements
     assert store._commits == 0
+    del statements[:]
+    assert store.append_if_idle([ev(6)]) is True
+    store.append([ev(7)])
+    assert "PRAGMA wal_checkpoint(PASSIVE)" not in statements  # 2 commits: not yet
+    store.append([ev(8)])
+    assert "PRAGMA wal_checkpoint(PASSIVE)" in statements  # the 3rd
 
 
 def test_the_wal_is_rewritten_in_place_not_grown(store: SqliteEventStore) -> None:
