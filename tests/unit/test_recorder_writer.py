@@ -1,0 +1,102 @@
+"""The recorder's writer thread: a run's batches stay in order when one is written while an
+earlier one is still going, and a write that fails as a whole fails each batch it held while
+the batches queued meanwhile are still written."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fsm_kernel.recorder as recorder_module
+from fsm_kernel.errors import StoreError
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.recorder import RunRecorder
+from fsm_kernel.store import SqliteEventStore
+
+
+class GatedStore:
+    """A store without an idle append (every batch goes to the writer thread) whose appends
+    wait for `gate`, noting each batch's event types in the order written."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = SqliteEventStore(path)
+        self.gate = threading.Event()
+        self.written: list[list[str]] = []
+
+    def append(self, events: Sequence[Event]) -> None:
+        self.gate.wait(10)
+        self.written.append([e.type.value for e in events])
+        self.inner.append(events)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_flush_while_a_put_off_write_is_going_waits_for_it_and_keeps_the_order(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore(tmp_path / "runs.db")
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.end_step()  # put off: bookkeeping only
+        await asyncio.sleep(0)  # the put-off write starts, and waits at the gate
+        assert recorder._inflight is not None
+        assert not recorder._inflight.done()
+        recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
+        flushing = asyncio.ensure_future(recorder.flush())
+        await asyncio.sleep(0.05)
+        assert not flushing.done()  # it waits for the write before it
+        store.gate.set()
+        await flushing
+
+    asyncio.run(main())
+
+    assert store.written == [["state.entered"], ["model.requested"]]
+    assert [e.seq for e in store.inner.read("r")] == [1, 2]
+    store.inner.close()
+
+
+def test_a_write_that_fails_as_a_whole_fails_its_batches_and_the_next_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SqliteEventStore(tmp_path / "runs.db")
+    real = recorder_module._Writer._write_all
+    calls: list[int] = []
+
+    def first_go_fails(self: Any, items: list[Any]) -> list[Exception | None]:
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise StoreError("the writer failed")
+        return real(self, items)
+
+    monkeypatch.setattr(recorder_module._Writer, "_write_all", first_go_fails)
+
+    def event(run_id: str) -> Event:
+        return Event(
+            run_id=run_id, seq=1, type=EventType.STATE_ENTERED, timestamp=datetime.now(UTC)
+        )
+
+    async def main() -> list[BaseException | None]:
+        writer = recorder_module._Writer.of(store, asyncio.get_running_loop())
+        first = writer.submit([event("a")], True)
+        queued = writer.submit([event("b")], True)  # arrives while the first go is going
+        outcomes = await asyncio.gather(first, queued, return_exceptions=True)
+        return list(outcomes)
+
+    first, queued = asyncio.run(main())
+
+    assert isinstance(first, StoreError)
+    assert str(first) == "the writer failed"
+    assert queued is None  # written in the next go
+    assert calls == [1, 1]
+    assert store.read("a") == []
+    assert [e.run_id for e in store.read("b")] == ["b"]
+    store.close()
