@@ -23,15 +23,18 @@ Tracing is on when `--otel` (or `Agent(otel=True)`) asks for it, or when the sta
 environment does (`OTEL_TRACES_EXPORTER` or an `OTEL_EXPORTER_OTLP_*ENDPOINT`, unless
 `OTEL_SDK_DISABLED=true`). Spans go to the global TracerProvider when the application set one;
 otherwise fsm-kernel sets up the SDK with the OTLP/HTTP exporter, configured by the standard
-`OTEL_EXPORTER_OTLP_*` variables, and flushes it when the agent closes.
+`OTEL_EXPORTER_OTLP_*` variables, and flushes it when the agent closes, waiting at most
+FLUSH_SECONDS: a collector that is down costs a warning, not a stalled exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 _ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+FLUSH_SECONDS = 3.0
+"""How long closing an agent waits for its traces to reach the collector (the SDK's exporter
+retries for up to 10 s against one that is down)."""
 _CONTENT_CHARS = 8_000
 """The most characters of one message or tool result a span attribute takes."""
 
@@ -100,14 +106,43 @@ def tracer_provider() -> tuple[Any, Callable[[], None] | None]:
             "exporting traces needs the OTLP exporter: pip install 'fsm-kernel[otel]'"
         ) from None
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "fsm-kernel")})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider = TracerProvider(resource=resource)  # shuts itself down at exit (atexit)
+    exporter = OTLPSpanExporter()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
 
+    def stop_retrying() -> None:
+        # Runs before the provider's own exit hook (atexit is last in, first out): a
+        # collector that is down would otherwise hold the exit through its retries (~10 s).
+        # flush() has said what was not exported; the SDK's shutdown chatter adds nothing.
+        logging.getLogger("opentelemetry").setLevel(logging.ERROR)
+        exporter.shutdown()
+
+    atexit.register(stop_retrying)
+
     def flush() -> None:
-        provider.force_flush()
+        """Export the spans still pending, waiting at most FLUSH_SECONDS."""
+        flushing = threading.Thread(target=provider.force_flush, name="otel-flush", daemon=True)
+        flushing.start()
+        flushing.join(FLUSH_SECONDS)
+        if flushing.is_alive():
+            logger.warning(
+                "traces not exported within %gs (is the OTLP collector at %s up?); "
+                "the spans still pending are dropped at exit",
+                FLUSH_SECONDS,
+                _endpoint(),
+            )
 
     return provider, flush
+
+
+def _endpoint() -> str:
+    """Where the OTLP/HTTP exporter sends traces, as the standard variables say."""
+    traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if traces:
+        return traces
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+    return base.rstrip("/") + "/v1/traces"
 
 
 def _ns(event: Event) -> int:

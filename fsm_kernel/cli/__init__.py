@@ -119,10 +119,16 @@ def configure_logging(verbose: bool) -> Iterator[None]:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING)
     root.propagate = False
+    # The OpenTelemetry SDK logs each retry of an export; fsm_kernel.telemetry says once what
+    # was not exported. Its errors still show; everything with --verbose.
+    otel = logging.getLogger("opentelemetry")
+    otel_level = otel.level
+    otel.setLevel(logging.NOTSET if verbose else logging.ERROR)
     try:
         yield
     finally:
         root.handlers[:], root.level, root.propagate = saved
+        otel.setLevel(otel_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
