@@ -107,7 +107,7 @@ def tracer_provider() -> tuple[Any, Callable[[], None] | None]:
         ) from None
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "fsm-kernel")})
     provider = TracerProvider(resource=resource)  # shuts itself down at exit (atexit)
-    exporter = OTLPSpanExporter()
+    exporter: Any = OTLPSpanExporter()  # its shutdown() is untyped
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
 
