@@ -27,12 +27,16 @@ class GatedStore:
     def __init__(self, path: Path) -> None:
         self.inner = SqliteEventStore(path)
         self.gate = threading.Event()
-        self.written: list[list[str]] = []
+        self.written: list[tuple[list[str], bool]] = []
+        self.refuse: set[str] = set()
 
-    def append(self, events: Sequence[Event]) -> None:
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
         self.gate.wait(10)
-        self.written.append([e.type.value for e in events])
-        self.inner.append(events)
+        types = [e.type.value for e in events]
+        if self.refuse & set(types):
+            raise StoreError("refused")
+        self.written.append((types, durable))
+        self.inner.append(events, durable=durable)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -59,7 +63,8 @@ def test_a_flush_while_a_put_off_write_is_going_waits_for_it_and_keeps_the_order
 
     asyncio.run(main())
 
-    assert store.written == [["state.entered"], ["model.requested"]]
+    # each with its own durability: the put-off one relaxed, the one before a model call synced
+    assert store.written == [(["state.entered"], False), (["model.requested"], True)]
     assert [e.seq for e in store.inner.read("r")] == [1, 2]
     store.inner.close()
 
@@ -100,3 +105,22 @@ def test_a_write_that_fails_as_a_whole_fails_its_batches_and_the_next_go_on(
     assert store.read("a") == []
     assert [e.run_id for e in store.read("b")] == ["b"]
     store.close()
+
+
+def test_a_batch_the_store_refuses_fails_the_flush_of_its_run(tmp_path: Path) -> None:
+    store = GatedStore(tmp_path / "runs.db")
+    store.gate.set()
+    store.refuse = {"model.requested"}
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+        recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
+        with pytest.raises(StoreError, match="refused"):
+            await recorder.flush()
+
+    asyncio.run(main())
+
+    assert store.written == [(["state.entered"], False)]
+    store.inner.close()
