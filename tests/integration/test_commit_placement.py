@@ -321,7 +321,9 @@ def test_a_run_writes_alone_until_another_run_wrote_within_the_window(
     assert writer.alone("a") is False  # and b just now
     now[0] += recorder_module._LONE_WINDOW / 2 + 0.001
     assert writer.alone("a") is False  # b wrote after a's previous write
-    now[0] += recorder_module._LONE_WINDOW + 0.001
+    now[0] += recorder_module._LONE_WINDOW
+    assert writer.alone("b") is False  # a wrote exactly the window ago: not yet
+    now[0] += 0.001
     assert writer.alone("b") is True  # a's last write is older than the window
     writer._busy = True
     assert writer.alone("b") is False  # a write is going: join it in the thread

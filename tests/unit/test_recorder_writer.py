@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -124,3 +124,63 @@ def test_a_batch_the_store_refuses_fails_the_flush_of_its_run(tmp_path: Path) ->
 
     assert store.written == [(["state.entered"], False)]
     store.inner.close()
+
+
+def test_batches_that_arrive_during_a_write_go_together_in_the_next_one(tmp_path: Path) -> None:
+    class Grouping(SqliteEventStore):
+        groups: ClassVar[list[int]] = []
+
+        def append_batches(
+            self, batches: Sequence[tuple[Sequence[Event], bool]]
+        ) -> list[Exception | None]:
+            self.groups.append(len(batches))
+            return super().append_batches(batches)
+
+    store = Grouping(tmp_path / "runs.db")
+
+    def event(run_id: str) -> Event:
+        return Event(
+            run_id=run_id, seq=1, type=EventType.STATE_ENTERED, timestamp=datetime.now(UTC)
+        )
+
+    async def main() -> None:
+        writer = recorder_module._Writer.of(store, asyncio.get_running_loop())
+        first = writer.submit([event("a")], True)  # starts at once, alone
+        later = [writer.submit([event(r)], r == "b") for r in "bc"]  # wait for it, together
+        await asyncio.gather(first, *later)
+
+    asyncio.run(main())
+
+    assert store.groups == [2]  # one transaction (and one sync) for the two that waited
+    assert [len(store.read(r)) for r in "abc"] == [1, 1, 1]
+    store.close()
+
+
+def test_a_store_whose_idle_append_cannot_sync_gets_its_syncs_from_the_thread(
+    tmp_path: Path,
+) -> None:
+    class RelaxedOnly(SqliteEventStore):
+        threads: ClassVar[list[int]] = []
+
+        def append_if_idle(self, events: Sequence[Event]) -> bool:  # type: ignore[override]
+            return super().append_if_idle(events)
+
+        def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+            self.threads.append(threading.get_ident())
+            super().append(events, durable=durable)
+
+    store = RelaxedOnly(tmp_path / "runs.db")
+    store._sync_cost.average = 0.0  # fast, were it asked
+
+    async def main() -> int:
+        recorder = RunRecorder("r", store)
+        recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
+        await recorder.flush()  # durable: not through append_if_idle, which cannot sync
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+
+    assert len(store.threads) == 1
+    assert store.threads[0] != loop_thread
+    assert [e.type for e in store.read("r")] == [EventType.MODEL_REQUESTED]
+    store.close()
