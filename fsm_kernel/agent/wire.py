@@ -206,7 +206,7 @@ def _finish_reason(raw: Any, *, has_calls: bool) -> str:
         return "tool_calls" if has_calls else "stop"
     reason = raw.strip().lower()
     mapped = _FINISH_REASONS.get(reason, "unknown")
-    if reason in _TERMINAL_REASONS:
+    if reason in _TERMINAL_REASONS or mapped in _TERMINAL_REASONS:  # aliases too: max_tokens
         return mapped
     if has_calls:
         # vLLM 0.7.3 and SGLang say "stop" for tool turns: the calls decide (llm-servers.md §5.1).

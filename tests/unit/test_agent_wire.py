@@ -343,6 +343,26 @@ def test_refusal_becomes_content_filter() -> None:
     assert completion.message.content == "I can't help"
 
 
+def test_a_refusal_keeps_content_the_server_also_sent() -> None:
+    completion = completion_from_wire(body({"content": "Sorry.", "refusal": "policy"}))
+    assert completion.finish_reason == "content_filter"
+    assert completion.message.content == "Sorry."
+
+
+def test_an_empty_refusal_is_no_refusal() -> None:
+    completion = completion_from_wire(body({"content": "Hello.", "refusal": ""}))
+    assert completion.finish_reason == "stop"
+    assert completion.message.content == "Hello."
+
+
+def test_a_refusal_beside_tool_calls_leaves_the_calls_in_charge() -> None:
+    message = {"content": None, "refusal": "no", "tool_calls": [wire_call("t", "{}")]}
+    completion = completion_from_wire(body(message, "tool_calls"))
+    assert completion.finish_reason == "tool_calls"
+    assert [c.name for c in completion.message.tool_calls] == ["t"]
+    assert completion.message.content == ""
+
+
 # --- finish_reason ---------------------------------------------------------------------------
 
 
@@ -365,6 +385,19 @@ def test_refusal_becomes_content_filter() -> None:
         ("length", True, "length"),  # cut off: calls must not run
         ("error", True, "unknown"),
         ("tool_calls", False, "stop"),  # vLLM: tool_calls: [] on a plain answer
+        ("content_filter", True, "content_filter"),  # filtered: the calls must not run
+        (" STOP ", False, "stop"),  # case and spaces are normalised
+        ("eos", False, "stop"),
+        ("stop_sequence", False, "stop"),
+        ("max_tokens", False, "length"),
+        ("max_tokens", True, "length"),  # an alias of a cut-off: the calls must not run either
+        ("refusal", True, "content_filter"),
+        ("refusal", False, "content_filter"),
+        ("tool_use", True, "tool_calls"),
+        ("tool_use", False, "stop"),
+        ("function_call", True, "tool_calls"),
+        ("function_call", False, "stop"),
+        ("tool", False, "stop"),
     ],
 )
 def test_finish_reason_normalisation(raw: Any, has_calls: bool, expected: str) -> None:
@@ -405,6 +438,37 @@ def test_missing_or_odd_usage(usage: Any) -> None:
     completion = completion_from_wire(body({"content": "x"}, **extra))
     assert completion.usage == Usage()
     assert completion.model == ""
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        # the server's total wins even when it is not prompt + completion (cached tokens...)
+        (
+            {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 9},
+            Usage(prompt_tokens=3, completion_tokens=4, total_tokens=9),
+        ),
+        (
+            {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
+        ),
+        (
+            {"prompt_tokens": -5, "completion_tokens": 2},
+            Usage(prompt_tokens=0, completion_tokens=2, total_tokens=2),
+        ),  # never negative
+        (
+            {"prompt_tokens": 2.9, "completion_tokens": "4"},
+            Usage(prompt_tokens=2, completion_tokens=4, total_tokens=6),
+        ),
+        (
+            {"prompt_tokens": True, "completion_tokens": 1},
+            Usage(prompt_tokens=0, completion_tokens=1, total_tokens=1),
+        ),  # not a count
+    ],
+    ids=["total-kept", "zeros", "negative", "float-and-digits", "bool"],
+)
+def test_token_counts_are_read_defensively(usage: dict[str, Any], expected: Usage) -> None:
+    assert completion_from_wire(body({"content": "x"}, usage=usage)).usage == expected
 
 
 def test_usage_total_filled_in_when_missing() -> None:
