@@ -350,6 +350,13 @@ def test_guards_read_the_last_reply_not_the_answer() -> None:
     assert (result.termination_reason, result.response) == ("final_answer", "")
 
 
+def test_has_answer_wants_text_and_no_tool_calls() -> None:
+    harness = WorkflowHarness(load_workflow_text(ASK_YAML, path="ask.yaml"))
+    assert harness.step("think", last_reply="Ganymede.").reason == "final_answer"
+    assert harness.step("think", last_reply=" \n ").reason == "no_progress"  # blank
+    assert harness.step("think", last_reply=call("datetime", {})).reason == "no_progress"
+
+
 # --- the `answer:` key -------------------------------------------------------------------------
 
 MINIMAL = """\

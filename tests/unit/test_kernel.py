@@ -470,7 +470,34 @@ def test_fatal_tool_error_ends_the_run(tmp_path: Path) -> None:
     assert record.result.is_error
     assert record.result.fatal
     assert "disk is gone: full" in record.result.content
+    assert result.error == f"explode: {record.result.content}"  # the tool, then its message
+    (ended,) = events_of(result, EventType.RUN_TERMINATED)
+    assert ended.data["error"] == result.error
     assert_log_shape(result)
+
+
+def test_the_same_call_with_its_arguments_in_another_order_is_no_progress(
+    tmp_path: Path,
+) -> None:
+    registry = ToolRegistry()
+
+    def pair(a: str, b: str) -> str:
+        """Join two words.
+
+        Args:
+            a: the first.
+            b: the second.
+        """
+        return a + b
+
+    registry.register(pair)
+    orders = [{"a": "x", "b": "y"}, {"b": "y", "a": "x"}, {"a": "x", "b": "y"}]
+    model = ScriptedModel([calls(tool_call("pair", args)) for args in orders])
+
+    result = run(make_kernel(model, tmp_path, tools=registry, tool_names=["pair"]))
+
+    assert result.termination_reason == "no_progress"
+    assert result.iterations == 3
 
 
 def test_no_progress_same_call_repeated(tmp_path: Path) -> None:
