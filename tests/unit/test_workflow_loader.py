@@ -207,6 +207,36 @@ def test_reason_only_on_transitions_into_final_states() -> None:
     assert _error(text) == ("w.yaml:8:42: 'reason' is only for transitions into a final state")
 
 
+def test_states_after_a_final_one_are_still_checked_for_a_way_out() -> None:
+    text = """\
+name: final_first
+initial: start
+states:
+  end: {final: true}
+  start: {action: agent.think}
+  stuck: {action: kernel.evaluate}
+transitions:
+  - {source: start, target: end, guard: has_answer, reason: final_answer}
+  - {source: start, target: stuck}
+"""
+    assert _error(text) == "w.yaml:6:3: state 'stuck' has no transition out of it"
+
+
+def test_each_state_needs_a_path_to_some_final_state_not_to_every_one() -> None:
+    text = """\
+name: two_ends
+initial: start
+states:
+  start: {action: agent.think}
+  ok: {final: true}
+  gave_up: {final: true}
+transitions:
+  - {source: start, target: ok, guard: has_answer, reason: final_answer}
+  - {source: start, target: gave_up, reason: no_progress}
+"""
+    assert load_workflow_text(text, path="w.yaml").final_states() == ["ok", "gave_up"]
+
+
 def test_a_state_with_no_way_out() -> None:
     text = MINIMAL.replace("  end:", "  dead: {action: kernel.evaluate}\n  end:").replace(
         "  - {source: start, target: end, reason: final_answer}\n",
