@@ -232,8 +232,14 @@ class HttpChatModel:
         the settings' for this request; `response_format` asks for JSON under a schema.
 
         Raises:
-            AgentError: the subclass says why no usable answer could be had.
+            AgentError: the subclass says why no usable answer could be had (the base class:
+                this client was closed).
         """
+        if self._client.is_closed:  # httpx would say only "Cannot send a request"
+            raise AgentError(
+                f"the model client for {self._shown_url} is closed (aclose() was called)",
+                base_url=self._shown_url,
+            )
         choice = tool_choice or self._settings.tool_choice
         while True:
             payload = self._payload(messages, tools, choice, response_format)

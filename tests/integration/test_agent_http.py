@@ -681,13 +681,18 @@ def test_one_model_serves_several_event_loops() -> None:
     assert answers == ["one", "two", "three"]
 
 
-def test_aclose_twice_is_harmless(server: FakeOpenAIServer) -> None:
+def test_aclose_twice_is_harmless_and_a_closed_client_says_so(server: FakeOpenAIServer) -> None:
     async def use() -> None:
         model = HttpChatModel(settings_for(server.base_url))
         await model.aclose()
         await model.aclose()
+        with pytest.raises(AgentError, match=r"model client for .* is closed") as closed:
+            await model.complete([Message.user("hi")], [])
+        assert type(closed.value) is AgentError
+        assert closed.value.retryable is False
 
     run(use())
+    assert server.requests == []  # nothing was sent
 
 
 # --- the transport seam (httpx.MockTransport) ------------------------------------------------
