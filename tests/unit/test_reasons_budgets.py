@@ -655,3 +655,37 @@ def test_the_agent_block_sets_the_cap() -> None:
 def test_the_agent_blocks_cap_is_a_whole_number(value: str) -> None:
     with pytest.raises(WorkflowValidationError, match="max_tokens"):
         load_workflow_text(BARE.replace("limits:", f"agent: {{max_tokens: {value}}}\nlimits:"))
+
+
+# --- the limits' defaults and bounds ------------------------------------------------------------
+
+LIMIT_BOUNDS = [
+    # field, default, the lowest value accepted, the highest (None: no cap)
+    ("max_iterations", 10, 0, None),
+    ("max_transitions", 1000, 1, None),
+    ("timeout_seconds", 600.0, 0, None),
+    ("max_tool_failures", 3, 1, None),
+    ("no_progress_repeats", 3, 2, None),  # 1 would stop a run at its first tool call
+    ("max_malformed_outputs", 3, 1, None),
+    ("max_tool_calls_per_reply", 16, 1, 1000),
+    ("max_parallel_tool_calls", 4, 1, 64),
+    ("max_tokens", 0, 0, None),
+]
+
+
+@pytest.mark.parametrize(("field", "default", "lowest", "highest"), LIMIT_BOUNDS)
+def test_each_limit_has_its_default_and_bounds(
+    field: str, default: float, lowest: float, highest: float | None
+) -> None:
+    assert getattr(Limits(), field) == default
+    assert getattr(Limits(**{field: lowest}), field) == lowest
+    with pytest.raises(ValueError, match=field):
+        Limits(**{field: lowest - 1})
+    if highest is not None:
+        assert getattr(Limits(**{field: highest}), field) == highest
+        with pytest.raises(ValueError, match=field):
+            Limits(**{field: highest + 1})
+
+
+def test_the_bounds_table_names_every_limit() -> None:
+    assert {row[0] for row in LIMIT_BOUNDS} == set(Limits.model_fields)
