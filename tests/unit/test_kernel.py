@@ -347,6 +347,20 @@ def test_done_tool_answer_is_the_response(tmp_path: Path) -> None:
     assert_log_shape(result)
 
 
+def test_done_without_an_answer_is_a_failed_call_and_the_run_goes_on(tmp_path: Path) -> None:
+    model = ScriptedModel([calls(tool_call("done", {})), answer("42, after all")])
+
+    result = run(make_kernel(model, tmp_path))
+
+    assert result.termination_reason == "final_answer"  # not "done": the call failed
+    assert result.response == "42, after all"
+    (record,) = result.tool_calls
+    assert record.result.is_error
+    assert "answer" in record.result.content  # what the model has to fix
+    assert len(model.requests) == 2
+    assert_log_shape(result)
+
+
 def test_parallel_tool_calls_run_in_order_within_one_iteration(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
     both = calls(tool_call("read_file", {"path": "a.txt"}), tool_call("datetime"))
