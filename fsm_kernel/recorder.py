@@ -134,8 +134,9 @@ class RunRecorder:
         writer = self._writer()
         alone = writer.alone(self.run_id)
         if self._settled():
-            at_once = self._sync_if_idle if durable and alone else None
-            if not durable:
+            if durable:
+                at_once = self._sync_if_idle if alone else None
+            else:
                 at_once = self._append_if_idle
             if at_once is not None and at_once(batch):
                 return None
