@@ -495,3 +495,28 @@ def test_a_state_with_a_users_guard_always_asks_the_engine(
     assert len(sent) == 3
     assert GUARD_CALLS == ["act", "act", "act"]
     assert all(state != "act" for state, _ in compiled.decisions)
+
+
+def test_a_workflow_the_engine_refuses_is_a_validation_error_naming_its_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from statemachine.exceptions import InvalidDefinition
+
+    import fsm_kernel.workflow.compiler as compiler_module
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidDefinition("a state the engine cannot build")
+
+    monkeypatch.setattr(compiler_module, "create_machine_class_from_definition", refuse)
+    spec = load_workflow_text(
+        "name: refused\ninitial: a\nstates:\n  a: {action: session.observe}\n"
+        "  b: {final: true}\ntransitions:\n  - {source: a, target: b, reason: final_answer}\n",
+        path="refused.yaml",
+    )
+    with pytest.raises(WorkflowValidationError) as refused:
+        compile_workflow(spec)
+    assert (
+        str(refused.value)
+        == "refused.yaml: cannot compile workflow: a state the engine cannot build"
+    )
+    assert isinstance(refused.value.__cause__, InvalidDefinition)
