@@ -327,9 +327,7 @@ class DispatchNotifier(Notifier):
             yield store
 
 
-def _append_attempt(
-    store: EventStore, run_id: str, data: dict[str, Any], clock: Clock
-) -> None:
+def _append_attempt(store: EventStore, run_id: str, data: dict[str, Any], clock: Clock) -> None:
     """A `notify.attempted` event after the run's last one (a resume may append meanwhile:
     then the next free seq is taken)."""
     for _ in range(3):

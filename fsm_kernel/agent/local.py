@@ -340,9 +340,7 @@ class LocalChatModel:
         cancel = threading.Event()
         stream = _text_streamer() if is_watched() else None
         try:
-            return await asyncio.to_thread(
-                self._complete_locked, messages, plan, cancel, stream
-            )
+            return await asyncio.to_thread(self._complete_locked, messages, plan, cancel, stream)
         except asyncio.CancelledError:
             cancel.set()  # a thread cannot be killed: this stops its generation at the next token
             raise

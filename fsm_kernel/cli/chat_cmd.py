@@ -143,6 +143,7 @@ class _Stdin:
         fd = sys.stdin.fileno()
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
+
         def wake() -> None:
             if not ready.done():
                 ready.set_result(None)

@@ -61,9 +61,7 @@ class DispatchRunner:
             await each.aclose()
 
 
-def make_runner(
-    config: SchedulerConfig, config_path: Path, options: RunOptions
-) -> DispatchRunner:
+def make_runner(config: SchedulerConfig, config_path: Path, options: RunOptions) -> DispatchRunner:
     """The runner of the config's dispatches (see DispatchRunner)."""
     return DispatchRunner(config, config_path, options)
 

@@ -158,8 +158,9 @@ def tag_svg(svg: str, spec: WorkflowSpec, *, current: str | None, ended: str | N
         classes += " current" if state == current else ""
         classes += " ended" if state == ended else ""
         attr = html.escape(state, quote=True)
-        return f'<g id="{match.group(1)}" class="{classes}" data-state="{attr}">' + (
-            match.group(0)[match.group(0).find("<title>") :]
+        return (
+            f'<g id="{match.group(1)}" class="{classes}" data-state="{attr}">'
+            + (match.group(0)[match.group(0).find("<title>") :])
         )
 
     def edge(match: re.Match[str]) -> str:
@@ -167,8 +168,9 @@ def tag_svg(svg: str, spec: WorkflowSpec, *, current: str | None, ended: str | N
         if source not in spec.states or target not in spec.states:
             return match.group(0)
         attr = html.escape(f"{source}->{target}", quote=True)
-        return f'<g id="{match.group(1)}" class="edge" data-edge="{attr}">' + (
-            match.group(0)[match.group(0).find("<title>") :]
+        return (
+            f'<g id="{match.group(1)}" class="edge" data-edge="{attr}">'
+            + (match.group(0)[match.group(0).find("<title>") :])
         )
 
     body = _NODE.sub(node, body)

@@ -202,8 +202,7 @@ class Guard:
         if auth and auth.lower().startswith("bearer "):
             candidates.append(auth[7:].strip())
         return any(
-            c is not None and hmac.compare_digest(c.encode(), expected.encode())
-            for c in candidates
+            c is not None and hmac.compare_digest(c.encode(), expected.encode()) for c in candidates
         )
 
     def _token_in_query(self, scope: Scope) -> bool:
@@ -272,8 +271,7 @@ def _query_token(scope: Scope) -> str | None:
 
 async def _plain(send: Send, status: int, text: str) -> None:
     body = (
-        "<!doctype html><meta charset=utf-8><title>fsm-kernel</title>"
-        f"<p>{html.escape(text)}</p>"
+        f"<!doctype html><meta charset=utf-8><title>fsm-kernel</title><p>{html.escape(text)}</p>"
     ).encode()
     await send(
         {

@@ -151,8 +151,15 @@ def test_undecodable_prompt_bytes_become_replacement_characters(
     store = tmp_path / "runs.db"
 
     outcome = console(
-        "run", str(DEFAULT), "--base-url", server.base_url, "--store", str(store), "--json",
-        "--prompt", b"caf\xe9 \xff ok",
+        "run",
+        str(DEFAULT),
+        "--base-url",
+        server.base_url,
+        "--store",
+        str(store),
+        "--json",
+        "--prompt",
+        b"caf\xe9 \xff ok",
     )
 
     assert outcome.code == 0, outcome.err

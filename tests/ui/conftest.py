@@ -150,9 +150,7 @@ def page(browser: Any) -> Iterator[Any]:
     opened = context.new_page()
     errors: list[str] = []
     opened.on("pageerror", lambda exc: errors.append(str(exc)))
-    opened.on(
-        "console", lambda msg: errors.append(msg.text) if msg.type == "error" else None
-    )
+    opened.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     opened.set_default_timeout(20_000)
     yield opened
     context.close()

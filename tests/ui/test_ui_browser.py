@@ -34,7 +34,11 @@ def test_runs_page_then_a_finished_run_on_its_diagram(
 
     row = page.locator(f'#runs tr[data-run-id="{run.run_id}"]')
     assert row.locator("td").all_inner_texts()[:5] == [
-        run.run_id[:8], "default", "final_answer", "2", "30"
+        run.run_id[:8],
+        "default",
+        "final_answer",
+        "2",
+        "30",
     ]
     row.locator("a").click()
     page.wait_for_url(f"**/runs/{run.run_id}")
@@ -169,7 +173,9 @@ def test_a_live_run_is_followed_state_by_state(
 
             runs_page.wait_for_selector('#runs tbody tr[data-status="final_answer"]')
             assert runs_page.locator("#runs tbody tr td").all_inner_texts()[2:5] == [
-                "final_answer", "2", "30"
+                "final_answer",
+                "2",
+                "30",
             ]
         finally:
             for gate in gates:

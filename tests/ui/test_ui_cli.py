@@ -57,8 +57,7 @@ def test_a_busy_port_is_a_one_line_error(
         out = cli(capsys, "ui", "--store", str(tmp_path / "runs.db"), "--port", str(port))
     assert out.code == 2
     assert out.err == (
-        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; "
-        "choose another --port\n"
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port\n"
     )
 
 

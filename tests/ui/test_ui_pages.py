@@ -46,9 +46,7 @@ def test_runs_page_lists_runs_newest_first_with_their_summaries(
     rows = table_rows(html)
     assert [run_id for run_id, _ in rows] == [second.run_id, first.run_id]
     (_, newest), (_, oldest) = rows
-    assert newest[:6] == [
-        second.run_id[:8], "default", "max_iterations", "2", "30", newest[5]
-    ]
+    assert newest[:6] == [second.run_id[:8], "default", "max_iterations", "2", "30", newest[5]]
     assert oldest[:5] == [first.run_id[:8], "default", "final_answer", "2", "30"]
     assert (newest[7], oldest[7]) == ("second task", "first task")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", oldest[5])
@@ -236,9 +234,7 @@ def test_workflows_page_lists_stock_and_recent_workflows(
     )  # fmt: skip
     run = record(store, text_reply("hi"), workflow=str(custom))
     marker.unlink(missing_ok=True)
-    (tmp_path / "mine.yaml").write_text(
-        custom.read_text() + "\n# tools: [ui_marker_tools:shout]\n"
-    )
+    (tmp_path / "mine.yaml").write_text(custom.read_text() + "\n# tools: [ui_marker_tools:shout]\n")
     url = base_url(serve(store=str(store)))
 
     html = get(url, "/workflows").text

@@ -52,9 +52,7 @@ def test_a_token_is_needed_on_every_request_and_leaves_the_url(
         assert entered.status_code == 303
         assert entered.headers["location"] == "/runs/table?status=final_answer"
         cookie = entered.headers["set-cookie"]
-        assert re.fullmatch(
-            rf"fsmk_token_\d+={TOKEN}; Path=/; HttpOnly; SameSite=Strict", cookie
-        )
+        assert re.fullmatch(rf"fsmk_token_\d+={TOKEN}; Path=/; HttpOnly; SameSite=Strict", cookie)
         page = browser.get("/")  # the cookie from now on
         assert page.status_code == 200
         assert "data-run-id" in page.text

@@ -47,10 +47,10 @@ def test_states_and_edges_are_tagged_and_classed(spec: WorkflowSpec) -> None:
 @pytest.mark.parametrize(
     "active",
     [
-        '<svg><script>alert(1)</script></svg>',
+        "<svg><script>alert(1)</script></svg>",
         '<svg><g onclick="alert(1)"></g></svg>',
         '<svg><a xlink:href="javascript:alert(1)"><text>x</text></a></svg>',
-        '<svg><foreignObject><div></div></foreignObject></svg>',
+        "<svg><foreignObject><div></div></foreignObject></svg>",
         '<svg><g style="background:url(x)"></g></svg>',
     ],
 )

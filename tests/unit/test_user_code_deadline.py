@@ -20,7 +20,7 @@ from fsm_kernel.workflow.actions import in_thread
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
 
-SLOW_MODULE = '''
+SLOW_MODULE = """
 import threading
 import time
 
@@ -42,7 +42,7 @@ def slow_action(ctx):
 def quick_action(ctx):
     threads.append(threading.current_thread().name)
     ctx.scratch["quick"] = "ran"
-'''
+"""
 
 WORKFLOW = """
 name: {name}

@@ -595,9 +595,11 @@ def test_a_workflow_read_as_data_imports_nothing_it_names(
     (tmp_path / "side_effect_mod.py").write_text(
         f"open({str(marker)!r}, 'w').close()\ndef act(ctx): pass\ndef ok(ctx): return True\n"
     )
-    text = DEFAULT.read_text().replace(
-        "action: tools.execute", "action: side_effect_mod:act"
-    ).replace("guard: done_called", "guard: side_effect_mod:ok")
+    text = (
+        DEFAULT.read_text()
+        .replace("action: tools.execute", "action: side_effect_mod:act")
+        .replace("guard: done_called", "guard: side_effect_mod:ok")
+    )
     path = tmp_path / "custom.yaml"
     path.write_text(text)
 
