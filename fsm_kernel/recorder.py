@@ -116,6 +116,12 @@ class RunRecorder:
         waits for it, so the log never has a gap or a reordering.
         """
         if not self._pending:
+            # A put-off commit may have taken everything: wait for it, so that what this
+            # flush promises (committed, and synced if it holds a sync point) holds when it
+            # returns, and its failure is raised here.
+            if not self._settled():
+                assert self._inflight is not None
+                await asyncio.shield(self._inflight)
             return
         if self._soon is not None:  # this commit takes the deferred events along
             self._soon.cancel()
@@ -184,8 +190,9 @@ class RunRecorder:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
+        durable = any(e.type in _SYNC_BEFORE for e in batch)  # e.g. the run suspended meanwhile
         try:
-            written = self._start(batch, durable=False)
+            written = self._start(batch, durable)
         except Exception as exc:  # the inline commit failed: the next flush raises it
             written = asyncio.get_running_loop().create_future()
             written.set_exception(exc)

@@ -69,6 +69,56 @@ def test_a_flush_while_a_put_off_write_is_going_waits_for_it_and_keeps_the_order
     store.inner.close()
 
 
+def test_a_flush_with_nothing_left_waits_for_the_put_off_write_that_took_it(
+    tmp_path: Path,
+) -> None:
+    # A run that suspends after a wait: the put-off commit takes the suspension along, and the
+    # run's last flush (nothing pending) must still return only once it is on disk. It once
+    # returned at once, and the caller closed the store under the write: events lost.
+    store = GatedStore(tmp_path / "runs.db")
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.end_step()
+        recorder.record(EventType.RUN_SUSPENDED, {"question": "q"})
+        await asyncio.sleep(0)  # the put-off write takes both, and waits at the gate
+        assert recorder._pending == []
+        flushing = asyncio.ensure_future(recorder.flush())
+        await asyncio.sleep(0.05)
+        assert not flushing.done()
+        store.gate.set()
+        await flushing
+
+    asyncio.run(main())
+
+    # synced: it holds the suspension, whoever commits it
+    assert store.written == [(["state.entered", "run.suspended"], True)]
+    assert [e.seq for e in store.inner.read("r")] == [1, 2]
+    store.inner.close()
+
+
+def test_a_flush_with_nothing_left_raises_the_failure_of_the_put_off_write(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore(tmp_path / "runs.db")
+    store.refuse = {"state.entered"}
+    store.gate.set()
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.end_step()
+        await asyncio.sleep(0)
+        assert recorder._pending == []
+        with pytest.raises(StoreError, match="refused"):
+            await recorder.flush()
+
+    asyncio.run(main())
+    assert store.inner.read("r") == []
+    store.inner.close()
+
+
 def test_a_write_that_fails_as_a_whole_fails_its_batches_and_the_next_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
