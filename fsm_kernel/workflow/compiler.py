@@ -67,15 +67,23 @@ class Machine:
         # reused across machines (tests, resume) starts where it is told to.
         ctx.__dict__.pop("state", None)
         self._sm = compiled.machine_class(model=ctx, start_value=start or compiled.spec.initial)
-        ctx.current_state = self.state
+        self._where: tuple[str, bool] = ("", False)
+        self._read_engine()
+
+    def _read_engine(self) -> None:
+        """Take the state, and whether it is final, from the engine (only `step` changes
+        them): reading its configuration costs more than all the rest of a step."""
+        state = str(next(iter(self._sm.configuration_values)))
+        self._where = (state, bool(self._sm.is_terminated))
+        self.ctx.current_state = state
 
     @property
     def state(self) -> str:
-        return str(next(iter(self._sm.configuration_values)))
+        return self._where[0]
 
     @property
     def is_final(self) -> bool:
-        return bool(self._sm.is_terminated)
+        return self._where[1]
 
     async def advance(self) -> FiredTransition:
         """`step()`, in a thread when a user's guard may run (so it cannot block the loop)."""
@@ -97,14 +105,17 @@ class Machine:
         guards = self.compiled.pure_guards.get(source)
         key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
         index = self.compiled.decisions.get(key) if key is not None else None
-        if index is not None:
-            self.compiled.on_fire[index](self.ctx)
-            self._sm.current_state_value = self.compiled.targets[index]
-        else:
-            index = self._send(source)
-            if key is not None and not self.is_final:
-                self.compiled.decisions[key] = index
-        self.ctx.current_state = self.state
+        decided = index is not None
+        try:
+            if index is not None:
+                self.compiled.on_fire[index](self.ctx)
+                self._sm.current_state_value = self.compiled.targets[index]
+            else:
+                index = self._send(source)
+        finally:
+            self._read_engine()
+        if key is not None and not decided and not self.is_final:
+            self.compiled.decisions[key] = index
         edge = self.compiled.spec.catch_edge(index)
         if edge is not None:
             return FiredTransition(
