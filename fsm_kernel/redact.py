@@ -110,9 +110,16 @@ def redact(text: str) -> str:
     return text
 
 
+_LEAVES = frozenset({int, float, bool, type(None)})
+"""Exact types that hold no text: returned before any isinstance check (most of an event's
+values; the run recorder redacts every event)."""
+
+
 def redact_data(value: Any) -> Any:
     """A copy of a JSON-like value with every string redacted; the input is not changed.
     Values that hold no secret are returned as they are (no copy)."""
+    if type(value) in _LEAVES:
+        return value
     if isinstance(value, str):
         # Shorter text can hold neither a registered secret nor a credential-looking token
         # (the shortest, `a://:p@`, is 7 characters): ids, names and numbers skip the scans.

@@ -366,8 +366,13 @@ class RunDelta:
         )
 
     def apply(self, event: Event) -> None:
-        self.first_ts = min(self.first_ts, event.timestamp)
-        self.last_ts = max(self.last_ts, event.timestamp)
+        ts = event.timestamp
+        if ts < self.first_ts:
+            self.first_ts = ts
+        elif ts > self.last_ts:
+            self.last_ts = ts
+        if event.type not in _SUMMARIZED:
+            return  # bookkeeping: only the times
         self.tokens += tokens_of(event)
         self.status = status_after(event) or self.status
         if event.type is EventType.RUN_RESUMED:
@@ -417,6 +422,19 @@ class RunDelta:
             status=self.status or summary.status,
             updated_at=self.last_ts if updated is None else max(updated, self.last_ts),
         )
+
+
+_SUMMARIZED = frozenset(
+    {
+        EventType.RUN_STARTED,
+        EventType.RUN_RESUMED,
+        EventType.RUN_SUSPENDED,
+        EventType.RUN_TERMINATED,
+        EventType.ITERATION_COMPLETED,
+        EventType.MODEL_RESPONDED,
+    }
+)
+"""The events that change a run's summary beyond its times (see RunDelta.apply)."""
 
 
 def summarize_batch(events: Iterable[Event]) -> list[RunDelta]:
