@@ -365,6 +365,12 @@ class RunDelta:
             and self.status is None
         )
 
+    @property
+    def is_progress(self) -> bool:
+        """The batch changes at most the iterations, tokens and times of the run (no start,
+        ending, suspension or resumption)."""
+        return self.started_at is None and self.termination_reason is None and self.status is None
+
     def apply(self, event: Event) -> None:
         ts = event.timestamp
         if ts < self.first_ts:

@@ -132,6 +132,11 @@ class Statements:
     or updates it when the batch changes the iterations or the ending)."""
     upsert_run: str
     """insert_run, also setting workflow, goal and started_at (a batch with run.started)."""
+    progress_run: str
+    """The update of an existing row by a batch that changes only its iterations, tokens and
+    updated_at: no indexed column in its SET list, so SQLite rewrites no index page (an
+    upsert that names status and termination_reason rewrites their indexes' entries even
+    when their values stay)."""
     select_events: str
     next_seq: str
     select_runs: str
@@ -177,7 +182,13 @@ ON CONFLICT (run_id) DO UPDATE SET
         f"{conflict}, workflow = {n('workflow')}, goal = {n('goal')}, "
         f"started_at = {n('started_at')}, parent_run_id = {n('parent')}"
     )
+    progress_run = (
+        f"UPDATE runs SET iterations = {d.greatest}(iterations, {n('iterations')}), "
+        f"updated_at = {d.greatest}(updated_at, {n('updated_at')}), "
+        f"tokens = tokens + {n('tokens')} WHERE run_id = {n('run_id')}"
+    )
     return Statements(
+        progress_run=progress_run,
         insert_event=(
             "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
             f"VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {d.json_param})"
@@ -584,8 +595,11 @@ class SqlEventStore:
         d = self._dialect
         cur.executemany(d.sql.insert_event, job.rows)
         for sql, delta in job.runs:
-            if sql is d.sql.insert_run and delta.is_quiet and delta.run_id in self._known_runs:
-                continue  # the row exists and would stay as it is (see insert_run)
+            if sql is d.sql.insert_run and delta.run_id in self._known_runs:  # the row exists
+                if delta.is_quiet:
+                    continue  # and would stay as it is (see insert_run)
+                if delta.is_progress:
+                    sql = d.sql.progress_run
             cur.execute(sql, run_params(d, delta))
 
     def read(self, run_id: str) -> list[Event]:

@@ -275,11 +275,44 @@ def test_bookkeeping_batches_leave_the_runs_row_alone(store: SqliteEventStore) -
     store.append([ev(2), ev(3)], durable=False)  # states entered: nothing for `runs`
     assert not [s for s in statements if "INSERT INTO runs" in s]
     store.append([ev(4, EventType.ITERATION_COMPLETED, iteration=1)])
-    assert [s for s in statements if "INSERT INTO runs" in s]
+    assert [s for s in statements if s.startswith("UPDATE runs")]
     [summary] = store.list_runs()
     assert (summary.workflow, summary.iterations, summary.termination_reason) == ("w", 1, None)
     store.append([ev(5, EventType.RUN_TERMINATED, iteration=1, data={"reason": "done"})])
     assert store.list_runs()[0].termination_reason == "done"
+
+
+def test_an_iterations_progress_updates_the_runs_row_without_touching_its_indexes(
+    store: SqliteEventStore,
+) -> None:
+    statements = traced(store)
+    responded = {"completion": {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}}
+    store.append([ev(2, EventType.MODEL_RESPONDED, data=responded)])
+    store.append([ev(3, EventType.ITERATION_COMPLETED, iteration=1)], durable=False)
+    runs_writes = [s.split()[0] for s in statements if "runs" in s and "SELECT" not in s]
+    assert runs_writes == ["UPDATE", "UPDATE"]  # not the upsert that names status, reason
+    [summary] = store.list_runs()
+    assert (summary.iterations, summary.tokens, summary.status) == (1, 7, "running")
+    assert summary.updated_at == T0 + timedelta(seconds=3)
+    statements.clear()
+    store.append([ev(4, EventType.RUN_TERMINATED, iteration=1, data={"reason": "done"})])
+    assert [s.split()[0] for s in statements if "INTO runs" in s] == ["INSERT"]  # the ending
+    [summary] = store.list_runs()
+    assert (summary.iterations, summary.tokens, summary.termination_reason) == (1, 7, "done")
+    assert summary.status == "ended"
+
+
+def test_progress_of_a_run_this_store_has_not_written_goes_through_the_upsert(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.db"
+    with SqliteEventStore(path) as first:
+        first.append([ev(1, EventType.RUN_STARTED)])
+    with SqliteEventStore(path) as second:  # another process: it does not know the row
+        statements = traced(second)
+        second.append([ev(2, EventType.ITERATION_COMPLETED, iteration=1)])
+        assert [s.split()[0] for s in statements if "INTO runs" in s] == ["INSERT"]
+        assert second.list_runs()[0].iterations == 1
 
 
 def test_a_reopened_store_creates_the_runs_row_of_a_bookkeeping_batch(tmp_path: Path) -> None:
