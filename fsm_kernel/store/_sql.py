@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cached_property
 from types import TracebackType
@@ -25,6 +25,7 @@ from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
     POSTGRES_MIGRATIONS_TABLE,
+    RUN_KEY_SHIFT,
     SQLITE_MIGRATIONS_TABLE,
     SUMMARY_STATUSES,
     WAITING,
@@ -115,6 +116,10 @@ class Dialect:
     (False); None when nothing needs saying."""
     commit_mode_first: bool
     """Run commit_mode before the transaction (SQLite's PRAGMA) rather than in it."""
+    keyed_events: bool
+    """Events are keyed by (run_no << RUN_KEY_SHIFT) | seq (SQLite, schema v5) rather than by
+    a (run_id, seq) primary key (PostgreSQL): the store numbers each run as it creates its row,
+    and puts the key first in each inserted row."""
 
     @cached_property
     def sql(self) -> Statements:
@@ -145,6 +150,9 @@ class Statements:
     """A run's place in the newest-first order: (started_at, run_id)."""
     select_prefix: str
     event_exists: str
+    """1 if the event (run_id, seq) is stored."""
+    select_run_no: str
+    """A run's number (keyed_events only)."""
     select_migrations: str
     insert_migration: str
 
@@ -160,12 +168,16 @@ def _statements(d: Dialect) -> Statements:
     # the row only when they complete an iteration or end the run: a batch of bookkeeping
     # events (states entered, transitions, a tool started) leaves the row, and its page,
     # alone, so `updated_at` is when the run's summary last changed.
+    # keyed_events: a new row takes the next run number (the unique index runs_no finds the
+    # highest at once; the write lock held by the transaction makes it this run's alone)
+    numbered = (", run_no", ", (SELECT COALESCE(MAX(run_no), 0) + 1 FROM runs)")
+    column, number = numbered if d.keyed_events else ("", "")
     conflict = f"""
 INSERT INTO runs (run_id, workflow, goal, started_at, iterations, termination_reason, updated_at,
-                  tokens, status, parent_run_id)
+                  tokens, status, parent_run_id{column})
 VALUES ({n("run_id")}, COALESCE({n("workflow")}, ''), COALESCE({n("goal")}, ''),
         COALESCE({n("started_at")}, {n("first_ts")}), {n("iterations")}, {n("reason")},
-        {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'), {n("parent")})
+        {n("updated_at")}, {n("tokens")}, COALESCE({n("status")}, 'running'), {n("parent")}{number})
 ON CONFLICT (run_id) DO UPDATE SET
     iterations = {d.greatest}(runs.iterations, {n("iterations")}),
     termination_reason = CASE WHEN {n("reopens")} THEN {n("reason")}
@@ -187,19 +199,16 @@ ON CONFLICT (run_id) DO UPDATE SET
         f"updated_at = {d.greatest}(updated_at, {n('updated_at')}), "
         f"tokens = tokens + {n('tokens')} WHERE run_id = {n('run_id')}"
     )
+    insert_event, select_events, next_seq, event_exists = _event_sql(d)
     return Statements(
+        insert_event=insert_event,
+        select_events=select_events,
+        next_seq=next_seq,
+        event_exists=event_exists,
         progress_run=progress_run,
-        insert_event=(
-            "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
-            f"VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {d.json_param})"
-        ),
         insert_run=insert_run,
         upsert_run=upsert_run,
-        select_events=(
-            "SELECT run_id, seq, type, ts, iteration, state, version, data "
-            f"FROM events WHERE run_id = {p} ORDER BY seq"
-        ),
-        next_seq=f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
+        select_run_no=f"SELECT run_no FROM runs WHERE run_id = {p}",
         select_runs=(
             "SELECT run_id, workflow, goal, started_at, iterations, termination_reason, "
             "status, tokens, updated_at, parent_run_id FROM runs"
@@ -209,9 +218,36 @@ ON CONFLICT (run_id) DO UPDATE SET
             f"SELECT run_id FROM runs WHERE {d.first_chars.format(p)} = {p} "
             f"ORDER BY run_id{d.byte_order} LIMIT {p}"
         ),
-        event_exists=f"SELECT 1 FROM events WHERE run_id = {p} AND seq = {p}",
         select_migrations=f"SELECT version, name FROM schema_migrations WHERE component = {p}",
         insert_migration=f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
+    )
+
+
+def _event_sql(d: Dialect) -> tuple[str, str, str, str]:
+    """insert_event, select_events, next_seq and event_exists for the dialect's events table:
+    keyed by (run_no << RUN_KEY_SHIFT) | seq and found through the run's number, or by
+    (run_id, seq)."""
+    p = d.param
+    columns = "run_id, seq, type, ts, iteration, state, version, data"
+    values = f"{p}, {p}, {p}, {p}, {p}, {p}, {p}, {d.json_param}"
+    if not d.keyed_events:
+        return (
+            f"INSERT INTO events ({columns}) VALUES ({values})",
+            f"SELECT {columns} FROM events WHERE run_id = {p} ORDER BY seq",
+            f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
+            f"SELECT 1 FROM events WHERE run_id = {p} AND seq = {p}",
+        )
+    low = f"r.run_no * {1 << RUN_KEY_SHIFT}"
+    of_run = (
+        f"FROM runs r JOIN events e ON e.key BETWEEN {low} AND {low} + "
+        f"{(1 << RUN_KEY_SHIFT) - 1} WHERE r.run_id = {p}"
+    )
+    return (
+        f"INSERT INTO events (key, {columns}) VALUES ({p}, {values})",
+        f"SELECT e.{columns.replace(', ', ', e.')} {of_run} ORDER BY e.key",
+        f"SELECT COALESCE(MAX(e.seq), 0) + 1 {of_run}",
+        "SELECT 1 FROM events WHERE key = "
+        f"(SELECT run_no FROM runs WHERE run_id = {p}) * {1 << RUN_KEY_SHIFT} + {p}",
     )
 
 
@@ -258,6 +294,7 @@ SQLITE = Dialect(
     from_db_ts=parse_ts,
     commit_mode=_sqlite_commit_mode,
     commit_mode_first=True,  # "Safety level may not be changed inside a transaction"
+    keyed_events=True,
 )
 
 POSTGRES = Dialect(
@@ -274,6 +311,7 @@ POSTGRES = Dialect(
     from_db_ts=_as_utc,
     commit_mode=_postgres_commit_mode,
     commit_mode_first=False,  # SET LOCAL: this transaction only
+    keyed_events=False,
 )
 
 
@@ -409,6 +447,9 @@ class PendingAppend:
     durable: bool
     done: bool = False
     error: Exception | None = None
+    run_nos: dict[str, int] = field(default_factory=dict)
+    """The numbers of the runs this append created or looked up (keyed_events), kept by the
+    store once committed."""
 
 
 class SqlEventStore:
@@ -432,6 +473,8 @@ class SqlEventStore:
     """Appends waiting for the lock; whoever gets it commits them all."""
     _known_runs: set[str]
     """Runs whose `runs` row this store has written (it exists: rows are never deleted)."""
+    _run_nos: dict[str, int]
+    """The numbers of the runs this store has written or read (keyed_events; never change)."""
     _mode_set: bool | None
     """The durability the connection's commit mode was last set to (commit_mode_first)."""
 
@@ -531,6 +574,12 @@ class SqlEventStore:
             return None
         check_events(batch)
         d = self._dialect
+        if d.keyed_events:
+            for event in batch:
+                if event.seq >= 1 << RUN_KEY_SHIFT:
+                    raise StoreError(
+                        f"event {event.run_id}#{event.seq}: seq must be < 2**{RUN_KEY_SHIFT}"
+                    )
         return PendingAppend(
             batch=batch,
             rows=[event_row(d, e) for e in batch],
@@ -590,10 +639,34 @@ class SqlEventStore:
         for job in group:
             if job.error is None:
                 self._known_runs.update(delta.run_id for _, delta in job.runs)
+                self._run_nos.update(job.run_nos)
 
     def _insert(self, cur: BatchExecutor, job: PendingAppend) -> None:
         d = self._dialect
-        cur.executemany(d.sql.insert_event, job.rows)
+        if d.keyed_events:  # the runs' rows first: they number the runs the keys are made of
+            self._update_runs(cur, job)
+            cur.executemany(d.sql.insert_event, self._keyed_rows(cur, job))
+        else:
+            cur.executemany(d.sql.insert_event, job.rows)
+            self._update_runs(cur, job)
+
+    def _keyed_rows(self, cur: BatchExecutor, job: PendingAppend) -> list[tuple[Any, ...]]:
+        """`job`'s rows, each with its key, (run_no << RUN_KEY_SHIFT) | seq, in front."""
+        known, numbers = self._run_nos, job.run_nos
+        keyed = []
+        for row in job.rows:
+            run_id, seq = row[0], row[1]
+            number = known.get(run_id) or numbers.get(run_id)
+            if number is None:
+                found = cur.execute(self._dialect.sql.select_run_no, (run_id,)).fetchone()
+                if found is None or found[0] is None:  # pragma: no cover - written just before
+                    raise StoreError(f"{self._where}: run {run_id} has no number")
+                number = numbers[run_id] = int(found[0])
+            keyed.append(((number << RUN_KEY_SHIFT) | seq, *row))
+        return keyed
+
+    def _update_runs(self, cur: BatchExecutor, job: PendingAppend) -> None:
+        d = self._dialect
         for sql, delta in job.runs:
             if sql is d.sql.insert_run and delta.run_id in self._known_runs:  # the row exists
                 if delta.is_quiet:
@@ -677,6 +750,7 @@ class SqlEventStore:
         self._queue_lock = threading.Lock()
         self._queue: list[PendingAppend] = []
         self._known_runs: set[str] = set()
+        self._run_nos: dict[str, int] = {}
         self._mode_set: bool | None = None
         try:
             self._check_schema() if read_only else self._migrate()

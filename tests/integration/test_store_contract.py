@@ -699,6 +699,33 @@ def test_list_runs_pages_both_ways_with_a_run_id_as_the_cursor(store: AnyEventSt
         store.list_runs(before=ids[0], after=ids[1])
 
 
+@pytest.mark.parametrize("version", [1, 4])
+def test_events_recorded_by_an_older_schema_are_read_resumed_and_appended(
+    backend: Backend, version: int
+) -> None:
+    if backend.kind == "jsonl":
+        pytest.skip("a JSON Lines log has no schema")
+    orphan = ev("orphan", 1, EventType.STATE_ENTERED)  # a run without a runs row
+    _write_old_version(backend, version, extra=[orphan])
+
+    with backend.open() as store:
+        assert [e.seq for e in store.read("old")] == [1, 2, 3]
+        assert [e.type for e in store.read("resumed")][-1] is EventType.RUN_RESUMED
+        assert store.next_seq("resumed") == 4
+        with pytest.raises(StoreConflictError, match="run resumed: seq 3 already exists"):
+            store.append([ev("resumed", 3)])
+        store.append([ev("resumed", 4), ev("resumed", 5)])
+        store.append([started("new")])
+        assert [e.seq for e in store.read("resumed")] == [1, 2, 3, 4, 5]
+        assert [e.seq for e in store.read("orphan")] == [1]
+        assert store.next_seq("new") == 2
+    with backend.open() as again:  # as the next process sees it
+        assert [e.seq for e in again.read("resumed")] == [1, 2, 3, 4, 5]
+        assert [e.seq for e in again.read("old")] == [1, 2, 3]
+        again.append([ev("old", 4)])
+        assert again.next_seq("old") == 5
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_runs_recorded_by_an_older_schema_get_tokens_and_status(
     backend: Backend, version: int
@@ -718,8 +745,9 @@ def test_runs_recorded_by_an_older_schema_get_tokens_and_status(
         assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["old"]
 
 
-def _write_old_version(backend: Backend, version: int) -> None:
-    """A store as an earlier fsm-kernel left it: migrated up to `version` only."""
+def _write_old_version(backend: Backend, version: int, extra: Sequence[Event] = ()) -> None:
+    """A store as an earlier fsm-kernel left it: migrated up to `version` only (with the
+    `extra` events too, whose runs have no row)."""
     from fsm_kernel.store._schema import MIGRATIONS
     from fsm_kernel.store._sql import POSTGRES, SQLITE
 
@@ -760,8 +788,12 @@ def _write_old_version(backend: Backend, version: int) -> None:
                 f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
                 ("events", migration.version, migration.name, dialect.to_db_ts(T0)),
             )
-        for event in events:
-            conn.execute(dialect.sql.insert_event, event_row(dialect, event))
+        insert = (  # the events table of versions 1 to 4
+            "INSERT INTO events (run_id, seq, type, ts, iteration, state, version, data) "
+            f"VALUES ({', '.join([p] * 7)}, {dialect.json_param})"
+        )
+        for event in [*events, *extra]:
+            conn.execute(insert, event_row(dialect, event))
         for row in runs:  # the columns of version 1
             values = [*row[:3], dialect.to_db_ts(row[3]), *row[4:6], dialect.to_db_ts(row[6])]
             conn.execute(

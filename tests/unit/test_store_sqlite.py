@@ -499,3 +499,67 @@ def test_read_only_and_in_memory_stores_leave_the_wal_alone(tmp_path: Path) -> N
     before = sorted(p.name for p in tmp_path.iterdir())
     SqliteEventStore(":memory:").close()
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# --- events keyed by run number and seq (schema v5) -----------------------------------------
+
+
+def test_events_are_keyed_by_run_number_and_seq_and_read_through_the_key(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.db"
+    with SqliteEventStore(path) as store:
+        for seq in (1, 2, 3):  # two runs written turn about
+            for run in ("a", "b"):
+                kind = EventType.RUN_STARTED if seq == 1 else EventType.STATE_ENTERED
+                store.append([Event(**{**ev(seq, kind).__dict__, "run_id": run})])
+        assert [(e.run_id, e.seq) for e in store.read("b")] == [("b", 1), ("b", 2), ("b", 3)]
+        conn = store._conn
+        assert conn is not None
+        assert (
+            conn.execute(  # no index of (run_id, seq) to write beside the table
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'events'"
+            ).fetchall()
+            == []
+        )
+        numbers = dict(conn.execute("SELECT run_id, run_no FROM runs").fetchall())
+        assert sorted(numbers.values()) == [1, 2]
+        keys = [k for (k,) in conn.execute("SELECT key FROM events WHERE run_id = 'b'")]
+        assert keys == [(numbers["b"] << 32) | s for s in (1, 2, 3)]
+        from fsm_kernel.store._sql import SQLITE
+
+        for sql, params in [
+            (SQLITE.sql.select_events, ("b",)),
+            (SQLITE.sql.next_seq, ("b",)),
+            (SQLITE.sql.event_exists, ("b", 2)),
+        ]:
+            plan = " ".join(r[3] for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+            assert "USING INTEGER PRIMARY KEY" in plan, plan
+            assert "SCAN" not in plan, plan
+    with SqliteEventStore(path) as other:  # another process numbers the next run after them
+        other.append([Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": "c"})])
+        assert other.next_seq("a") == 4
+        assert other._conn is not None
+        assert other._conn.execute("SELECT run_no FROM runs WHERE run_id = 'c'").fetchone() == (3,)
+
+
+def test_a_seq_past_the_key_range_is_refused_and_nothing_is_written(
+    store: SqliteEventStore,
+) -> None:
+    with pytest.raises(StoreError, match=r"r#4294967296: seq must be < 2\*\*32"):
+        store.append([ev(2), ev(1 << 32)])
+    assert [e.seq for e in store.read("r")] == [1]
+
+
+def test_a_batch_that_fails_does_not_leave_its_run_number_behind(tmp_path: Path) -> None:
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        store.append([ev(1, EventType.RUN_STARTED)])
+        new = Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": "n"})
+        errors = store.append_batches([([new, new], True), ([ev(2)], True)])
+        assert isinstance(errors[0], StoreConflictError)  # the same seq twice: rolled back
+        assert errors[1] is None
+        assert "n" not in store._run_nos
+        assert store.list_runs()[0].run_id == "r"
+        store.append([new])  # numbered now, after the runs that exist
+        assert store._run_nos["n"] == 2
+        assert [e.seq for e in store.read("n")] == [1]
