@@ -404,9 +404,10 @@ class RunDelta:
 
     @property
     def is_progress(self) -> bool:
-        """The batch changes at most the iterations, tokens and times of the run (no start,
-        ending, suspension or resumption)."""
-        return self.started_at is None and self.termination_reason is None and self.status is None
+        """The batch changes at most the iterations, tokens and times of the run: it holds no
+        start, resumption, suspension or ending, each of which sets the status (and only they
+        set workflow, goal, started_at or termination_reason)."""
+        return self.status is None
 
     def apply(self, event: Event) -> None:
         ts = event.timestamp

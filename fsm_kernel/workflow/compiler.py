@@ -105,7 +105,6 @@ class Machine:
         guards = self.compiled.pure_guards.get(source)
         key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
         index = self.compiled.decisions.get(key) if key is not None else None
-        decided = index is not None
         try:
             if index is not None:
                 self.compiled.on_fire[index](self.ctx)
@@ -114,7 +113,7 @@ class Machine:
                 index = self._send(source)
         finally:
             self._read_engine()
-        if key is not None and not decided and not self.is_final:
+        if key is not None and not self.is_final:  # (again, when it came from there)
             self.compiled.decisions[key] = index
         edge = self.compiled.spec.catch_edge(index)
         if edge is not None:
