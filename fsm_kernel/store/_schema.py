@@ -77,16 +77,19 @@ class Migration:
     postgres: tuple[str, ...]
 
 
-_SQLITE_V1 = (
-    """CREATE TABLE events (
-        run_id    TEXT    NOT NULL,
+_SQLITE_EVENT_COLUMNS = """run_id    TEXT    NOT NULL,
         seq       INTEGER NOT NULL,
         type      TEXT    NOT NULL,
         ts        TEXT    NOT NULL,
         iteration INTEGER NOT NULL,
         state     TEXT,
         version   INTEGER NOT NULL,
-        data      TEXT    NOT NULL,
+        data      TEXT    NOT NULL"""
+"""The columns of an event in SQLite (schema v1, and v5 beside its key)."""
+
+_SQLITE_V1 = (
+    f"""CREATE TABLE events (
+        {_SQLITE_EVENT_COLUMNS},
         PRIMARY KEY (run_id, seq)
     )""",
     """CREATE TABLE runs (
@@ -191,16 +194,9 @@ _SQLITE_KEYED = (
        WHERE run_id NOT IN (SELECT run_id FROM runs) GROUP BY run_id""",
     "UPDATE runs SET run_no = rowid",
     "CREATE UNIQUE INDEX runs_no ON runs (run_no)",
-    """CREATE TABLE events_keyed (
+    f"""CREATE TABLE events_keyed (
         key       INTEGER PRIMARY KEY,
-        run_id    TEXT    NOT NULL,
-        seq       INTEGER NOT NULL,
-        type      TEXT    NOT NULL,
-        ts        TEXT    NOT NULL,
-        iteration INTEGER NOT NULL,
-        state     TEXT,
-        version   INTEGER NOT NULL,
-        data      TEXT    NOT NULL
+        {_SQLITE_EVENT_COLUMNS}
     )""",
     f"""INSERT INTO events_keyed
         SELECT (r.run_no << {RUN_KEY_SHIFT}) | e.seq, e.run_id, e.seq, e.type, e.ts,

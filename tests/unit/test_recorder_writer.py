@@ -42,6 +42,16 @@ class GatedStore:
         return getattr(self.inner, name)
 
 
+async def flush_waiting_for_the_gate(recorder: RunRecorder, store: GatedStore) -> None:
+    """Flush `recorder`, check that the flush still waits while `store`'s gate is shut (for a
+    write it must not overtake), then open the gate and let it finish."""
+    flushing = asyncio.ensure_future(recorder.flush())
+    await asyncio.sleep(0.05)
+    assert not flushing.done()
+    store.gate.set()
+    await flushing
+
+
 def test_a_flush_while_a_put_off_write_is_going_waits_for_it_and_keeps_the_order(
     tmp_path: Path,
 ) -> None:
@@ -55,11 +65,7 @@ def test_a_flush_while_a_put_off_write_is_going_waits_for_it_and_keeps_the_order
         assert recorder._inflight is not None
         assert not recorder._inflight.done()
         recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
-        flushing = asyncio.ensure_future(recorder.flush())
-        await asyncio.sleep(0.05)
-        assert not flushing.done()  # it waits for the write before it
-        store.gate.set()
-        await flushing
+        await flush_waiting_for_the_gate(recorder, store)  # the write before it
 
     asyncio.run(main())
 
@@ -84,11 +90,7 @@ def test_a_flush_with_nothing_left_waits_for_the_put_off_write_that_took_it(
         recorder.record(EventType.RUN_SUSPENDED, {"question": "q"})
         await asyncio.sleep(0)  # the put-off write takes both, and waits at the gate
         assert recorder._pending == []
-        flushing = asyncio.ensure_future(recorder.flush())
-        await asyncio.sleep(0.05)
-        assert not flushing.done()
-        store.gate.set()
-        await flushing
+        await flush_waiting_for_the_gate(recorder, store)
 
     asyncio.run(main())
 
