@@ -304,7 +304,7 @@ def _extend_with_zeros(path: Path, size: int) -> None:
         page = bytes(_OS_PAGE)
         for offset in range(end, size, _OS_PAGE):  # a page a write: see _OS_PAGE
             os.pwrite(fd, page[: size - offset], offset)
-        os.fdatasync(fd)
+        os.fsync(fd)  # the new size too (fdatasync would as well, but macOS lacks it)
     finally:
         os.close(fd)
 
