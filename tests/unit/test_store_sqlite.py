@@ -444,11 +444,12 @@ def test_the_zeros_are_written_a_page_at_a_time(
     store.close()
     assert sizes
     assert max(sizes) <= 4096
+    assert len(sizes) == -(-sum(sizes) // 4096)  # each write a whole page (the last: the rest)
     assert sum(sizes) >= sqlite_module.WAL_PRESIZE - 64 * 1024  # (SQLite's own WAL bytes: few)
 
 
 def test_the_zeros_wait_for_no_other_writer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "runs.db"
     store = SqliteEventStore(path, busy_timeout=30)
@@ -456,7 +457,9 @@ def test_the_zeros_wait_for_no_other_writer(
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")  # another process holds the write lock
     try:
-        store._presize_wal()  # at once: SQLITE_BUSY, not a 30 s wait
+        with caplog.at_level("DEBUG", logger="fsm_kernel.store.sqlite"):
+            store._presize_wal()  # at once: SQLITE_BUSY, not a 30 s wait
+        assert f"{path}: WAL not pre-sized: database is locked" in caplog.text
         assert wal_of(path).stat().st_size == sqlite_module.WAL_PRESIZE // 2
     finally:
         writer.execute("ROLLBACK")
@@ -480,12 +483,28 @@ def test_a_wal_that_cannot_be_extended_only_costs_the_speed_up(
     monkeypatch.setattr(sqlite_module.os, "pwrite", full)
     with caplog.at_level("DEBUG", logger="fsm_kernel.store.sqlite"):
         store = SqliteEventStore(tmp_path / "runs.db")
-    assert "WAL not pre-sized: [Errno 28] No space left on device" in caplog.text
+    assert f"{tmp_path / 'runs.db'}: WAL not pre-sized: [Errno 28] No space left on device" in (
+        caplog.text
+    )
     store.append([ev(1, EventType.RUN_STARTED)])
     assert [e.seq for e in store.read("r")] == [1]
     assert store._conn is not None
     assert not store._conn.in_transaction  # the lock taken for it is given back
     store.close()
+
+
+def test_a_store_not_in_wal_mode_is_not_given_zeros(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    store = SqliteEventStore(path)
+    assert store._conn is not None
+    store._conn.execute("PRAGMA journal_mode = DELETE")  # as on a filesystem without WAL
+    assert not wal_of(path).exists()
+    store._presize_wal()
+    assert not wal_of(path).exists()
+    store.close()
+    closed = sqlite3.connect(":memory:")
+    closed.close()
+    assert SqliteEventStore._in_wal_mode(closed) is False  # unreadable: not WAL
 
 
 def test_read_only_and_in_memory_stores_leave_the_wal_alone(tmp_path: Path) -> None:
@@ -563,3 +582,52 @@ def test_a_batch_that_fails_does_not_leave_its_run_number_behind(tmp_path: Path)
         store.append([new])  # numbered now, after the runs that exist
         assert store._run_nos["n"] == 2
         assert [e.seq for e in store.read("n")] == [1]
+
+
+def test_a_runs_events_end_where_the_next_runs_begin(tmp_path: Path) -> None:
+    last = (1 << 32) - 1  # the highest seq a key holds
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        store.append([Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": "a"})])
+        store.append([Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": "b"})])
+        store.append([Event(**{**ev(last).__dict__, "run_id": "a"})])
+        assert [(e.run_id, e.seq) for e in store.read("a")] == [("a", 1), ("a", last)]
+        assert [(e.run_id, e.seq) for e in store.read("b")] == [("b", 1)]
+        assert store.next_seq("a") == last + 1
+        assert store.next_seq("b") == 2
+        with pytest.raises(StoreConflictError, match=f"run a: seq {last} already exists"):
+            store.append([Event(**{**ev(last).__dict__, "run_id": "a"})])
+
+
+def test_a_batch_looks_a_runs_number_up_once_and_a_known_run_never(tmp_path: Path) -> None:
+    with SqliteEventStore(tmp_path / "runs.db") as first:
+        first.append([ev(1, EventType.RUN_STARTED)])
+    with SqliteEventStore(tmp_path / "runs.db") as store:  # knows no number yet
+        statements = traced(store)
+        store.append([ev(2), ev(3), ev(4)])
+        store.append([ev(5)])
+        lookups = [s for s in statements if s.startswith("SELECT run_no FROM runs")]
+        assert len(lookups) == 1
+        assert [e.seq for e in store.read("r")] == [1, 2, 3, 4, 5]
+
+
+def test_a_batch_of_several_runs_numbers_each_and_keeps_a_known_ones_row(
+    store: SqliteEventStore,
+) -> None:
+    other = Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": "n"})
+    store.append([ev(2), other])  # the known run's bookkeeping first, then a new run
+    assert [e.seq for e in store.read("n")] == [1]
+    assert sorted(r.run_id for r in store.list_runs()) == ["n", "r"]
+
+
+def test_a_batchs_tokens_add_up_and_an_ending_without_a_reason_has_none(
+    store: SqliteEventStore,
+) -> None:
+    def responded(seq: int, used: int) -> Event:
+        usage = {"prompt_tokens": used, "completion_tokens": 1}
+        return ev(seq, EventType.MODEL_RESPONDED, data={"completion": {"usage": usage}})
+
+    store.append([responded(2, 10), responded(3, 20)])
+    assert store.list_runs()[0].tokens == 32
+    store.append([ev(4, EventType.RUN_TERMINATED, data={})])
+    [summary] = store.list_runs()
+    assert (summary.status, summary.termination_reason) == ("ended", None)
