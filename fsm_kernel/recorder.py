@@ -128,7 +128,7 @@ class RunRecorder:
             self._soon = None
         batch, self._pending = self._pending, []
         if durable is None:
-            durable = any(e.type in _SYNC_BEFORE for e in batch)
+            durable = _holds(batch, _SYNC_BEFORE)
         written = self._start(batch, durable)
         if written is not None:
             await asyncio.shield(written)
@@ -178,7 +178,7 @@ class RunRecorder:
         reply at most, which a resume asks for again."""
         if not self._pending:
             return
-        if at_once or any(e.type in _AT_STEP_END for e in self._pending):
+        if at_once or _holds(self._pending, _AT_STEP_END):
             await self.flush()
         elif self._soon is None:
             self._soon = asyncio.get_running_loop().call_soon(self._flush_deferred)
@@ -190,9 +190,8 @@ class RunRecorder:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
-        durable = any(e.type in _SYNC_BEFORE for e in batch)  # e.g. the run suspended meanwhile
-        try:
-            written = self._start(batch, durable)
+        try:  # synced if it holds a sync point (the run suspended meanwhile, say)
+            written = self._start(batch, _holds(batch, _SYNC_BEFORE))
         except Exception as exc:  # the inline commit failed: the next flush raises it
             written = asyncio.get_running_loop().create_future()
             written.set_exception(exc)
@@ -260,6 +259,11 @@ class RunRecorder:
         self._cursor += 1
         self.events.append(recorded)
         return recorded
+
+
+def _holds(batch: Sequence[Event], types: frozenset[EventType]) -> bool:
+    """Whether any event of `batch` is of one of `types`."""
+    return any(e.type in types for e in batch)
 
 
 def _seen(future: asyncio.Future[None]) -> None:

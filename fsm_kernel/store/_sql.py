@@ -471,10 +471,9 @@ class SqlEventStore:
     _queue_lock: threading.Lock
     _queue: list[PendingAppend]
     """Appends waiting for the lock; whoever gets it commits them all."""
-    _known_runs: set[str]
-    """Runs whose `runs` row this store has written (it exists: rows are never deleted)."""
-    _run_nos: dict[str, int]
-    """The numbers of the runs this store has written or read (keyed_events; never change)."""
+    _run_nos: dict[str, int | None]
+    """The runs whose `runs` row this store has written (it exists: rows are never deleted),
+    each with its number (keyed_events; None otherwise), which never changes."""
     _mode_set: bool | None
     """The durability the connection's commit mode was last set to (commit_mode_first)."""
 
@@ -638,7 +637,8 @@ class SqlEventStore:
                     cur.execute("RELEASE SAVEPOINT batch")
         for job in group:
             if job.error is None:
-                self._known_runs.update(delta.run_id for _, delta in job.runs)
+                for _, delta in job.runs:
+                    self._run_nos.setdefault(delta.run_id, None)
                 self._run_nos.update(job.run_nos)
 
     def _insert(self, cur: BatchExecutor, job: PendingAppend) -> None:
@@ -668,7 +668,7 @@ class SqlEventStore:
     def _update_runs(self, cur: BatchExecutor, job: PendingAppend) -> None:
         d = self._dialect
         for sql, delta in job.runs:
-            if sql is d.sql.insert_run and delta.run_id in self._known_runs:  # the row exists
+            if sql is d.sql.insert_run and delta.run_id in self._run_nos:  # the row exists
                 if delta.is_quiet:
                     continue  # and would stay as it is (see insert_run)
                 if delta.is_progress:
@@ -749,8 +749,7 @@ class SqlEventStore:
         when it is opened read-only); close the store if that fails."""
         self._queue_lock = threading.Lock()
         self._queue: list[PendingAppend] = []
-        self._known_runs: set[str] = set()
-        self._run_nos: dict[str, int] = {}
+        self._run_nos: dict[str, int | None] = {}
         self._mode_set: bool | None = None
         try:
             self._check_schema() if read_only else self._migrate()
