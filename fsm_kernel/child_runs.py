@@ -31,7 +31,12 @@ from fsm_kernel.kernel import Kernel, Watcher
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, Usage
 from fsm_kernel.replay import RecordedRun, resume_run
 from fsm_kernel.tools.mcp_client import McpServers
-from fsm_kernel.workflow.children import ChildRequest, ChildResult, bounded_limits
+from fsm_kernel.workflow.children import (
+    ChildRequest,
+    ChildResult,
+    bounded_limits,
+    charge_shared_calls,
+)
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -107,7 +112,9 @@ class LiveChildren:
         assert self.store is not None
         spec = self._spec(run, path)
         if run.terminated is not None:  # it ended (even resumably): the parent saw this ending
-            return _from_log(run, spec)
+            ended = _from_log(run, spec)
+            charge_shared_calls(ended.iterations)  # what it spent of its map's shared calls
+            return ended
         answer = None
         if run.waiting_for is not None:
             answer = request.take_answer()

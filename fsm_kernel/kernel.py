@@ -33,7 +33,7 @@ from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import is_truncated
-from fsm_kernel.workflow.children import ChildResult, ChildRunner
+from fsm_kernel.workflow.children import ChildResult, ChildRunner, take_shared_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
@@ -321,7 +321,13 @@ class Kernel:
 
     async def drive(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> RunResult:
         """Drive `machine` to a final state under the wall-clock timeout and cancellation."""
-        current_run_id.set(ctx.run_id)
+        named = current_run_id.set(ctx.run_id)  # log lines name this run while it goes ...
+        try:
+            return await self._drive(ctx, machine, recorder)
+        finally:
+            current_run_id.reset(named)  # ... and their caller's after (a child's parent)
+
+    async def _drive(self, ctx: RunContext, machine: Machine, recorder: RunRecorder) -> RunResult:
         timeout = ctx.limits.timeout_seconds or None
         reason: TerminationReason | str = TerminationReason.ERROR
         error, resumable = None, False
@@ -395,6 +401,9 @@ class Kernel:
         hit = limit_reached(ctx, model_call_next=spends)
         if hit is not None:
             raise _Stop(hit.reason, hit.error)
+        spent = take_shared_call() if calls_model else None  # a map's children share a cap
+        if spent is not None:
+            raise _Stop(TerminationReason.MAX_ITERATIONS, spent)
         if action is not None:
             ctx.state_spec = self.spec.states[state]
             await run_action(ctx, action, ctx.state_spec)  # under its retry: and catch:

@@ -24,6 +24,7 @@ from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
 from fsm_kernel.tools import DONE_TOOL
 from fsm_kernel.workflow.children import (
+    charge_shared_calls,
     child_failed,
     child_succeeded,
     workflow_call,
@@ -249,6 +250,7 @@ async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
         Message.user("\n\n".join(lines)),
     ]
     ctx.iteration += 1
+    charge_shared_calls(1)
     ctx.record(
         EventType.MODEL_REQUESTED,
         {"messages": len(request), "tools": [], "purpose": "summarize"},

@@ -8,7 +8,9 @@ The parent records each child's id (`child.started`) before the child starts and
 resumes one that was cut off, and starts one that never began. The parent gets the children's
 answers in its context (`ctx.children`, the guards `child_succeeded` / `child_failed`) and in
 its conversation (one user message), and spends their iterations and tokens from its own
-limits: a child may use at most the iterations and the time the parent has left.
+limits: a child may use at most the iterations and the time the parent has left, and the
+children of one map share what the parent had left (a `CallPool`), so together they cannot
+spend more either.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,13 +32,16 @@ from fsm_kernel.workflow.spec import Limits
 __all__ = [
     "CALL_ACTIONS",
     "TEMPLATE_NAMES",
+    "CallPool",
     "ChildRequest",
     "ChildResult",
     "ChildRunner",
     "bounded_limits",
+    "charge_shared_calls",
     "child_failed",
     "child_succeeded",
     "render",
+    "take_shared_call",
     "template_names",
     "workflow_call",
     "workflow_map",
@@ -139,6 +145,63 @@ def bounded_limits(own: Limits, iterations: int | None, seconds: float | None) -
         cap_s = own.timeout_seconds
         updates["timeout_seconds"] = min(cap_s, seconds) if cap_s else seconds
     return own.model_copy(update=updates) if updates else own
+
+
+class CallPool:
+    """The model calls the children of one `workflow.map` share: what their parent had left
+    when the map began. A child's own cap (that same remainder) bounds it alone; the pool
+    bounds the children together, however many run at once. A map inside a child of a map
+    draws on both pools (`outer`)."""
+
+    def __init__(self, size: int, outer: CallPool | None = None) -> None:
+        self.size = size
+        self.spent = 0
+        self.outer = outer
+
+    def _chain(self) -> Iterator[CallPool]:
+        pool: CallPool | None = self
+        while pool is not None:
+            yield pool
+            pool = pool.outer
+
+    def take(self) -> CallPool | None:
+        """Take one call from this pool and every pool around it; when one of them is spent,
+        take nothing and return that one."""
+        for pool in self._chain():
+            if pool.spent >= pool.size:
+                return pool
+        self.charge(1)
+        return None
+
+    def charge(self, calls: int) -> None:
+        """Count calls made without taking them first (a context summary's, or those of a
+        child that had ended before its parent was resumed)."""
+        for pool in self._chain():
+            pool.spent += calls
+
+
+_SHARED_CALLS: ContextVar[CallPool | None] = ContextVar("fsm_kernel_shared_calls", default=None)
+"""The pool of the map whose child runs in this task (each child is a task of its own)."""
+
+
+def take_shared_call() -> str | None:
+    """Take the next model call from the pools of the maps the running run is a child of
+    (the kernel asks before each model call); why not, when one of them is spent."""
+    pool = _SHARED_CALLS.get()
+    spent = pool.take() if pool is not None else None
+    if spent is None:
+        return None
+    return (
+        f"the {spent.size} model call(s) its parent had left are spent: the children of a "
+        "workflow.map share them"
+    )
+
+
+def charge_shared_calls(calls: int) -> None:
+    """Count model calls made without `take_shared_call` against the maps' pools."""
+    pool = _SHARED_CALLS.get()
+    if pool is not None:
+        pool.charge(calls)
 
 
 # --- templates ---------------------------------------------------------------------------
@@ -338,11 +401,15 @@ async def workflow_map(ctx: RunContext) -> None:
     await ctx.flush()  # every child's id is on disk before any child starts
     runner = _runner(ctx)
     gate = asyncio.Semaphore(spec.max_concurrency or DEFAULT_CONCURRENCY)
+    left, _ = _remaining(ctx)
+    outer = _SHARED_CALLS.get()
+    pool = CallPool(left, outer) if left is not None else outer
     failed = asyncio.Event()
     results: dict[int, ChildResult] = {}
     began: set[int] = set()
 
     async def one(i: int) -> None:
+        _SHARED_CALLS.set(pool)  # in this task only: its child's model calls draw on the pool
         async with gate:
             if failed.is_set():  # fail_fast: an earlier item failed before this one began
                 result = _not_started(ids[i], str(spec.workflow))

@@ -236,6 +236,45 @@ def test_children_spend_the_parents_iteration_budget(
     assert child.termination_reason == "max_iterations"
 
 
+def test_the_children_of_a_map_share_the_parents_remaining_iterations(
+    capsys: pytest.CaptureFixture[str], server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    # three children at once, each calling tools until a cap stops it (its own is 20)
+    default_variant(tmp_path, "looping", cap=("max_iterations: 10", "max_iterations: 20"))
+    parent = tmp_path / "fanout.yaml"
+    parent.write_text(
+        (DATA / "fanout.yaml")
+        .read_text()
+        .replace("workflow: step.yaml", "workflow: looping.yaml")
+        .replace("max_iterations: 30", "max_iterations: 7")
+    )
+    made = iter(range(1000))
+
+    def reply(request: dict[str, Any]) -> Reply:
+        if "response_format" in request:
+            return text_reply(json.dumps({"steps": ["a", "b", "c"]}))
+        n = next(made)
+        return tool_reply(call("datetime", {}, id=f"c{n}"), call("datetime", {"x": n}, id=f"d{n}"))
+
+    server.enqueue(*[reply] * 40)
+
+    done = run_cli(
+        capsys, server, "run", parent, "-p", "go", "--store", tmp_path / "r.db", "--json"
+    )
+
+    # the plan, then the 6 calls left for all three children together (not 6 each: 19)
+    assert len(server.requests) == 7
+    assert done.json()["termination_reason"] == "steps_failed"
+    with SqliteEventStore(tmp_path / "r.db") as events:
+        log = events.read(done.json()["run_id"])
+    finished = [e.data for e in log if e.type is EventType.CHILD_FINISHED]
+    assert sum(f["iterations"] for f in finished) == 6
+    assert {f["reason"] for f in finished} == {"max_iterations"}
+    refused = [f for f in finished if "the children of a workflow.map share them" in (f.get("error") or "")]
+    assert len(refused) >= 2  # whichever child ran dry of the pool, not of its own cap
+    assert "the 6 model call(s) its parent had left are spent" in refused[0]["error"]
+
+
 BLOCKING = '''
 import os, time
 

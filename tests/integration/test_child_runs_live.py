@@ -61,6 +61,36 @@ def test_a_child_that_ended_is_read_back_with_its_own_success_reasons(tmp_path: 
     assert child.usage == Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
 
 
+
+def test_a_child_that_ended_spends_its_calls_from_its_maps_pool_when_read_back(
+    tmp_path: Path,
+) -> None:
+    """A resumed parent meets its map's children again: one that ended is read from its log,
+    and its model calls count against the calls the map's children share, as they did."""
+    import asyncio
+
+    from fsm_kernel.workflow.children import _SHARED_CALLS, CallPool, ChildRequest
+
+    flow = tmp_path / "ends_well.yaml"
+    flow.write_text(ENDS_WELL)
+    store = tmp_path / "runs.db"
+    done = fsm_kernel.run(flow, "go", chat_model=Counting(Message.assistant("shipped it")),
+                          store=str(store))  # fmt: skip
+    pool = CallPool(5)
+    request = ChildRequest(run_id=done.run_id, parent_run_id="parent", workflow=str(flow),
+                           caller=str(flow), prompt="go")  # fmt: skip
+
+    async def in_a_map() -> Any:
+        _SHARED_CALLS.set(pool)
+        with SqliteEventStore(store) as events:
+            runner = LiveChildren(RunOptions(), store=events, parent_model=Counting())
+            return await runner.run(request)
+
+    child = asyncio.run(in_a_map())
+
+    assert (child.reason, child.iterations) == ("shipped", 1)
+    assert pool.spent == 1
+
 def test_a_child_that_waits_is_read_back_waiting(tmp_path: Path) -> None:
     store = tmp_path / "runs.db"
     ask = Message.assistant("", [ToolCall(id="t1", name="read_file", arguments={"path": "x"})])

@@ -14,13 +14,17 @@ import pytest
 
 from fsm_kernel.protocol import EventType, Usage
 from fsm_kernel.workflow.children import (
+    _SHARED_CALLS,
+    CallPool,
     ChildRequest,
     ChildResult,
     TemplateError,
     bounded_limits,
+    charge_shared_calls,
     child_failed,
     child_succeeded,
     render,
+    take_shared_call,
     template_names,
     workflow_call,
     workflow_map,
@@ -507,3 +511,90 @@ def test_an_empty_list_starts_no_child_and_neither_guard_passes() -> None:
     )
     assert not child_succeeded(ctx)
     assert not child_failed(ctx)
+
+
+# --- the calls a map's children share ------------------------------------------------------
+
+
+def test_a_pool_gives_its_calls_then_names_itself_spent() -> None:
+    pool = CallPool(2)
+    assert pool.take() is None
+    assert pool.take() is None
+    assert pool.take() is pool
+    assert pool.spent == 2  # a refused take takes nothing
+
+
+def test_a_pool_inside_another_draws_on_both_and_stops_at_the_first_spent() -> None:
+    outer = CallPool(3)
+    inner = CallPool(5, outer)
+    assert [inner.take() for _ in range(4)] == [None, None, None, outer]
+    assert (inner.spent, outer.spent) == (3, 3)
+    other = CallPool(1, outer)  # a sibling map's pool, inside the same spent outer one
+    assert other.take() is outer
+    assert other.spent == 0
+
+
+def test_charges_count_calls_made_without_asking_in_every_pool_around() -> None:
+    outer = CallPool(4)
+    inner = CallPool(10, outer)
+    inner.charge(3)
+    assert (inner.spent, outer.spent) == (3, 3)
+    assert inner.take() is None
+    assert inner.take() is outer
+
+
+def test_outside_a_map_every_call_is_free() -> None:
+    charge_shared_calls(5)  # no pool: nothing to count against
+    assert all(take_shared_call() is None for _ in range(100))
+
+
+def _taking_all(request: ChildRequest) -> ChildResult:
+    """A child that makes model calls until its own cap stops it or the shared pool refuses
+    one."""
+    taken = 0
+    while taken < (request.max_iterations or 100) and take_shared_call() is None:
+        taken += 1
+    return result(request.run_id, ok=False, reason="max_iterations", iterations=taken)
+
+
+def test_the_children_of_a_map_share_what_the_parent_had_left() -> None:
+    runner = FakeRunner(_taking_all, 0.01)
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.todo", max_concurrency=3)
+    ctx, _ = context(runner, state=state, scratch={"todo": list("abcde")}, iteration=6)
+
+    asyncio.run(workflow_map(ctx))
+
+    assert [r.max_iterations for r in runner.requests] == [4] * 5  # each alone: what is left
+    assert ctx.child_iterations == 4  # together too (each would have made 4: 20)
+    assert ctx.iterations_used == ctx.limits.max_iterations
+    assert take_shared_call() is None  # the parent's own calls are not the pool's
+
+
+def test_a_map_without_a_cap_shares_none_and_a_nested_one_draws_on_its_parents() -> None:
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.todo")
+    seen: list[str | None] = []
+
+    def one_call(request: ChildRequest) -> ChildResult:
+        seen.append(take_shared_call())
+        return result(request.run_id, iterations=1)
+
+    uncapped, _ = context(
+        FakeRunner(one_call),
+        state=state,
+        scratch={"todo": [1, 2]},
+        limits=Limits(max_iterations=0, timeout_seconds=0),
+    )
+    asyncio.run(workflow_map(uncapped))
+    assert seen == [None, None]
+
+    async def in_a_child_of_a_map_with_two_calls_left() -> int:
+        ctx, _ = context(FakeRunner(_taking_all), state=state, scratch={"todo": [1, 2, 3]})
+
+        async def child() -> None:
+            _SHARED_CALLS.set(CallPool(2))  # as its parent's map set it
+            await workflow_map(ctx)  # its own map: 10 left of its own, 2 of its parent's
+
+        await asyncio.ensure_future(child())
+        return ctx.child_iterations
+
+    assert asyncio.run(in_a_child_of_a_map_with_two_calls_left()) == 2

@@ -109,3 +109,24 @@ def test_model_failures_and_stream_notices_are_logged(tmp_path: Path) -> None:
     assert types.index(EventType.MODEL_REQUESTED) < types.index(EventType.MODEL_FAILED)
     assert result.termination_reason is TerminationReason.AGENT_ERROR
     assert result.to_dict()["termination_reason"] == "agent_error"
+
+
+def test_log_lines_name_the_run_while_it_goes_and_their_caller_after() -> None:
+    """A child run goes in its parent's task: once it ends, the parent's log lines name the
+    parent again, not the child."""
+    from fsm_kernel.kernel import current_run_id
+
+    seen: list[str] = []
+
+    class Notes(Answers):
+        async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+            seen.append(current_run_id.get())
+            return await super().complete(messages, tools)
+
+    async def inside_a_parent() -> tuple[str, str]:
+        current_run_id.set("parent")
+        done = await kernel(Notes("hi")).run("go", run_id="child")
+        return done.run_id, current_run_id.get()
+
+    assert asyncio.run(inside_a_parent()) == ("child", "parent")
+    assert seen == ["child"]
