@@ -113,7 +113,7 @@ class LiveChildren:
         spec = self._spec(run, path)
         if run.terminated is not None:  # it ended (even resumably): the parent saw this ending
             ended = _from_log(run, spec)
-            charge_shared_calls(ended.iterations)  # what it spent of its map's shared calls
+            charge_shared_calls(_drawn(run, ended))  # as it drew on its map's shared calls
             return ended
         answer = None
         if run.waiting_for is not None:
@@ -225,8 +225,18 @@ def _from_log(run: RecordedRun, spec: WorkflowSpec) -> ChildResult:
         ok=reason is not None and spec.is_success(str(reason)),
         answer=str(ended.get("answer") or ""),
         output=ended.get("output"),
-        iterations=int(ended.get("iterations", iterations)),
+        iterations=int(ended.get("iterations", iterations)) + int(ended.get("child_iterations", 0)),
         usage=usage,
         error=ended.get("error"),
         waiting_for=run.waiting_for,
     )
+
+
+def _drawn(run: RecordedRun, ended: ChildResult) -> int:
+    """The model calls a child that ended drew on the pools of the maps it is a child of: its
+    own (`shared_calls`, as its ending records them) and its children's."""
+    data = run.terminated.data if run.terminated is not None else {}
+    own = data.get("shared_calls")
+    if own is None:  # a log from before pools were recorded: all its model calls
+        return ended.iterations
+    return int(own) + int(data.get("child_iterations", 0))

@@ -73,6 +73,9 @@ class RunResult:
     for a person (`status` "waiting"): it is not over."""
     response: str
     iterations: int
+    """The run's own model calls."""
+    child_iterations: int = 0
+    """The model calls of its child runs (and theirs): `max_iterations` caps the sum."""
     output: Any = None
     """The structured output: the answer validated against the workflow's `output:` schema
     (an instance of the pydantic model it names, or the parsed JSON); None without one."""
@@ -110,7 +113,7 @@ class RunResult:
             ok=self.ok,
             answer=self.response,
             output=as_json(self.output),
-            iterations=self.iterations,
+            iterations=self.iterations + self.child_iterations,
             usage=self.usage,
             error=self.error,
             waiting_for=self.waiting_for,
@@ -401,7 +404,7 @@ class Kernel:
         hit = limit_reached(ctx, model_call_next=spends)
         if hit is not None:
             raise _Stop(hit.reason, hit.error)
-        spent = take_shared_call() if calls_model else None  # a map's children share a cap
+        spent = take_shared_call(ctx) if calls_model else None  # a map's children share a cap
         if spent is not None:
             raise _Stop(TerminationReason.MAX_ITERATIONS, spent)
         if action is not None:
@@ -457,6 +460,10 @@ class Kernel:
             data["error"] = error
         if resumable:
             data["resumable"] = True
+        if ctx.child_iterations:
+            data["child_iterations"] = ctx.child_iterations
+        if ctx.notes.shared_calls is not None:
+            data["shared_calls"] = ctx.notes.shared_calls
         recorder.record(EventType.RUN_TERMINATED, data)
         logger.info("terminated: %s%s", reason, f" ({error})" if error else "")
         return self._result(ctx, recorder, reason, error)
@@ -476,6 +483,7 @@ class Kernel:
             termination_reason=reason,
             response=ctx.done_answer if ctx.done_answer is not None else ctx.answer,
             iterations=ctx.iteration,
+            child_iterations=ctx.child_iterations,
             output=ctx.output,
             tool_calls=list(ctx.tool_calls),
             usage=ctx.usage,

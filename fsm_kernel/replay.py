@@ -38,7 +38,7 @@ from fsm_kernel.protocol import (
     ToolResult,
 )
 from fsm_kernel.recorder import RunRecorder
-from fsm_kernel.workflow.children import ChildRequest, ChildResult
+from fsm_kernel.workflow.children import CallPool, ChildRequest, ChildResult, draw_on
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
@@ -569,6 +569,8 @@ class ReplayChildren:
         if workflow is None:  # once per file: a map's children share it
             spec = load_workflow(find_workflow(path, relative_to=request.caller))
             workflow = self._compiled[path] = compile_workflow(spec)
+        drawn = child.terminated.data.get("shared_calls") if child.terminated else None
+        draw_on(None if drawn is None else CallPool(int(drawn)))  # refused where it was
         report, result = await _replay(workflow, self.store, child.run_id, None)
         self.reports[order] = report
         return result.as_child()

@@ -250,7 +250,7 @@ async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
         Message.user("\n\n".join(lines)),
     ]
     ctx.iteration += 1
-    charge_shared_calls(1)
+    charge_shared_calls(1, ctx)
     ctx.record(
         EventType.MODEL_REQUESTED,
         {"messages": len(request), "tools": [], "purpose": "summarize"},

@@ -40,6 +40,7 @@ __all__ = [
     "charge_shared_calls",
     "child_failed",
     "child_succeeded",
+    "draw_on",
     "render",
     "take_shared_call",
     "template_names",
@@ -184,11 +185,20 @@ _SHARED_CALLS: ContextVar[CallPool | None] = ContextVar("fsm_kernel_shared_calls
 """The pool of the map whose child runs in this task (each child is a task of its own)."""
 
 
-def take_shared_call() -> str | None:
-    """Take the next model call from the pools of the maps the running run is a child of
-    (the kernel asks before each model call); why not, when one of them is spent."""
+def draw_on(pool: CallPool | None) -> None:
+    """The runs of the running task (a map's child, a child's replay) draw their model calls
+    on `pool` (None: on no pool)."""
+    _SHARED_CALLS.set(pool)
+
+
+def take_shared_call(ctx: RunContext) -> str | None:
+    """Take the run's next model call from the pools of the maps it is a child of (the kernel
+    asks before each model call); why not, when one of them is spent."""
     pool = _SHARED_CALLS.get()
-    spent = pool.take() if pool is not None else None
+    if pool is None:
+        return None
+    spent = pool.take()
+    ctx.notes.shared_calls = (ctx.notes.shared_calls or 0) + (spent is None)
     if spent is None:
         return None
     return (
@@ -197,11 +207,15 @@ def take_shared_call() -> str | None:
     )
 
 
-def charge_shared_calls(calls: int) -> None:
-    """Count model calls made without `take_shared_call` against the maps' pools."""
+def charge_shared_calls(calls: int, ctx: RunContext | None = None) -> None:
+    """Count `calls` model calls made without `take_shared_call` against the maps' pools
+    (a context summary of the run `ctx`, or a child that ended before its parent resumed)."""
     pool = _SHARED_CALLS.get()
-    if pool is not None:
-        pool.charge(calls)
+    if pool is None:
+        return
+    pool.charge(calls)
+    if ctx is not None:
+        ctx.notes.shared_calls = (ctx.notes.shared_calls or 0) + calls
 
 
 # --- templates ---------------------------------------------------------------------------
@@ -409,7 +423,7 @@ async def workflow_map(ctx: RunContext) -> None:
     began: set[int] = set()
 
     async def one(i: int) -> None:
-        _SHARED_CALLS.set(pool)  # in this task only: its child's model calls draw on the pool
+        draw_on(pool)  # in this task only: its child's model calls draw on the pool
         async with gate:
             if failed.is_set():  # fail_fast: an earlier item failed before this one began
                 result = _not_started(ids[i], str(spec.workflow))

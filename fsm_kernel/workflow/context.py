@@ -154,6 +154,9 @@ class KernelNotes:
     """The run's wall-clock deadline while the kernel drives it (a child gets what is left)."""
     children_started: int = 0
     """Child runs started so far (the index of the next one in `recorded_children`)."""
+    shared_calls: int | None = None
+    """The model calls this run drew from the calls a map's children share (None: it is no
+    child of a map with a cap); recorded in its ending, so its replay draws as many."""
 
 
 @dataclass(eq=False, kw_only=True)

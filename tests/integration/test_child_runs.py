@@ -269,10 +269,17 @@ def test_the_children_of_a_map_share_the_parents_remaining_iterations(
         log = events.read(done.json()["run_id"])
     finished = [e.data for e in log if e.type is EventType.CHILD_FINISHED]
     assert sum(f["iterations"] for f in finished) == 6
+    assert log[-1].data["child_iterations"] == 6  # the parent's ending: 1 call + 6 of theirs
     assert {f["reason"] for f in finished} == {"max_iterations"}
-    refused = [f for f in finished if "the children of a workflow.map share them" in (f.get("error") or "")]
+    refused = [
+        f for f in finished if "the children of a workflow.map share them" in (f.get("error") or "")
+    ]
     assert len(refused) >= 2  # whichever child ran dry of the pool, not of its own cap
     assert "the 6 model call(s) its parent had left are spent" in refused[0]["error"]
+    replayed = cli(capsys, "replay", done.json()["run_id"], "--store", tmp_path / "r.db",
+                   "--json").json()  # fmt: skip
+    assert [c["identical"] for c in replayed["children"]] == [True] * 3
+    assert replayed["identical"] is True
 
 
 BLOCKING = '''

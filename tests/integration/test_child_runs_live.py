@@ -4,6 +4,7 @@ that ended or waits (`_from_log`), and which settings a child inherits (`_inheri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,6 @@ def test_a_child_that_ended_is_read_back_with_its_own_success_reasons(tmp_path: 
     assert child.usage == Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15)
 
 
-
 def test_a_child_that_ended_spends_its_calls_from_its_maps_pool_when_read_back(
     tmp_path: Path,
 ) -> None:
@@ -69,19 +69,29 @@ def test_a_child_that_ended_spends_its_calls_from_its_maps_pool_when_read_back(
     and its model calls count against the calls the map's children share, as they did."""
     import asyncio
 
-    from fsm_kernel.workflow.children import _SHARED_CALLS, CallPool, ChildRequest
+    from fsm_kernel.workflow.children import CallPool, ChildRequest, draw_on
 
     flow = tmp_path / "ends_well.yaml"
     flow.write_text(ENDS_WELL)
     store = tmp_path / "runs.db"
-    done = fsm_kernel.run(flow, "go", chat_model=Counting(Message.assistant("shipped it")),
-                          store=str(store))  # fmt: skip
+
+    async def a_child_of_a_map() -> Any:
+        draw_on(CallPool(9))
+        model = Counting(Message.assistant("shipped it"))
+        async with fsm_kernel.Agent(flow, chat_model=model, store=str(store)) as agent:
+            return await agent.run("go")
+
+    done = asyncio.run(a_child_of_a_map())
+    with SqliteEventStore(store) as events:
+        ending = events.read(done.run_id)[-1].data
+    assert (ending["iterations"], ending["shared_calls"]) == (1, 1)
+    assert "child_iterations" not in ending  # it had no children
     pool = CallPool(5)
     request = ChildRequest(run_id=done.run_id, parent_run_id="parent", workflow=str(flow),
                            caller=str(flow), prompt="go")  # fmt: skip
 
     async def in_a_map() -> Any:
-        _SHARED_CALLS.set(pool)
+        draw_on(pool)
         with SqliteEventStore(store) as events:
             runner = LiveChildren(RunOptions(), store=events, parent_model=Counting())
             return await runner.run(request)
@@ -90,6 +100,7 @@ def test_a_child_that_ended_spends_its_calls_from_its_maps_pool_when_read_back(
 
     assert (child.reason, child.iterations) == ("shipped", 1)
     assert pool.spent == 1
+
 
 def test_a_child_that_waits_is_read_back_waiting(tmp_path: Path) -> None:
     store = tmp_path / "runs.db"
@@ -174,3 +185,27 @@ def test_children_use_the_agents_own_model_and_its_person(tmp_path: Path) -> Non
     assert (result.termination_reason, result.response) == ("final_answer", "It is noon.")
     assert [q.tool_call.name for q in person.questions if q.tool_call] == ["datetime"]
     assert model.replies == []
+
+
+def test_a_child_reports_its_own_model_calls_and_its_childrens() -> None:
+    """What a parent counts against its `max_iterations`: a child's calls and those of the
+    child's own children, live and as read back from a log."""
+    from datetime import datetime
+
+    from fsm_kernel.kernel import RunResult
+    from fsm_kernel.protocol import Event, EventType
+
+    live = RunResult(run_id="c", workflow="w", termination_reason="final_answer", response="",
+                     iterations=2, child_iterations=5)  # fmt: skip
+    assert live.as_child().iterations == 7
+
+    def ended(**data: Any) -> RecordedRun:
+        now = datetime.now(UTC)
+        started = Event(run_id="c", seq=1, type=EventType.RUN_STARTED, timestamp=now)
+        terminated = Event(run_id="c", seq=2, type=EventType.RUN_TERMINATED, timestamp=now,
+                           data={"reason": "final_answer", "answer": "", **data})  # fmt: skip
+        return RecordedRun("c", [started, terminated], started, terminated)
+
+    spec = load_spec(str(Path(fsm_kernel.__file__).parents[1] / "workflows" / "default.yaml"))
+    assert _from_log(ended(iterations=2, child_iterations=5), spec).iterations == 7
+    assert _from_log(ended(iterations=2), spec).iterations == 2

@@ -14,7 +14,6 @@ import pytest
 
 from fsm_kernel.protocol import EventType, Usage
 from fsm_kernel.workflow.children import (
-    _SHARED_CALLS,
     CallPool,
     ChildRequest,
     ChildResult,
@@ -23,6 +22,7 @@ from fsm_kernel.workflow.children import (
     charge_shared_calls,
     child_failed,
     child_succeeded,
+    draw_on,
     render,
     take_shared_call,
     template_names,
@@ -544,16 +544,38 @@ def test_charges_count_calls_made_without_asking_in_every_pool_around() -> None:
 
 
 def test_outside_a_map_every_call_is_free() -> None:
-    charge_shared_calls(5)  # no pool: nothing to count against
-    assert all(take_shared_call() is None for _ in range(100))
+    ctx = RunContext()
+    charge_shared_calls(5, ctx)  # no pool: nothing to count against
+    assert all(take_shared_call(ctx) is None for _ in range(100))
+    assert ctx.notes.shared_calls is None  # and nothing for its ending to record
+
+
+def test_a_run_counts_what_it_drew_on_its_maps_pool_refused_call_aside() -> None:
+    async def in_a_map() -> tuple[list[str | None], int | None, int]:
+        pool = CallPool(3)
+        draw_on(pool)
+        ctx = RunContext()
+        charge_shared_calls(1, ctx)  # a context summary's call
+        taken = [take_shared_call(ctx) for _ in range(3)]
+        return taken, ctx.notes.shared_calls, pool.spent
+
+    taken, drawn, spent = asyncio.run(in_a_map())
+    assert taken[:2] == [None, None]
+    assert taken[2] == (
+        "the 3 model call(s) its parent had left are spent: the children of a workflow.map "
+        "share them"
+    )
+    assert (drawn, spent) == (3, 3)
 
 
 def _taking_all(request: ChildRequest) -> ChildResult:
     """A child that makes model calls until its own cap stops it or the shared pool refuses
     one."""
+    own = RunContext()
     taken = 0
-    while taken < (request.max_iterations or 100) and take_shared_call() is None:
+    while taken < (request.max_iterations or 100) and take_shared_call(own) is None:
         taken += 1
+    assert own.notes.shared_calls == taken
     return result(request.run_id, ok=False, reason="max_iterations", iterations=taken)
 
 
@@ -567,7 +589,7 @@ def test_the_children_of_a_map_share_what_the_parent_had_left() -> None:
     assert [r.max_iterations for r in runner.requests] == [4] * 5  # each alone: what is left
     assert ctx.child_iterations == 4  # together too (each would have made 4: 20)
     assert ctx.iterations_used == ctx.limits.max_iterations
-    assert take_shared_call() is None  # the parent's own calls are not the pool's
+    assert take_shared_call(ctx) is None  # the parent's own calls are not the pool's
 
 
 def test_a_map_without_a_cap_shares_none_and_a_nested_one_draws_on_its_parents() -> None:
@@ -575,7 +597,7 @@ def test_a_map_without_a_cap_shares_none_and_a_nested_one_draws_on_its_parents()
     seen: list[str | None] = []
 
     def one_call(request: ChildRequest) -> ChildResult:
-        seen.append(take_shared_call())
+        seen.append(take_shared_call(RunContext()))
         return result(request.run_id, iterations=1)
 
     uncapped, _ = context(
@@ -591,7 +613,7 @@ def test_a_map_without_a_cap_shares_none_and_a_nested_one_draws_on_its_parents()
         ctx, _ = context(FakeRunner(_taking_all), state=state, scratch={"todo": [1, 2, 3]})
 
         async def child() -> None:
-            _SHARED_CALLS.set(CallPool(2))  # as its parent's map set it
+            draw_on(CallPool(2))  # as its parent's map set it
             await workflow_map(ctx)  # its own map: 10 left of its own, 2 of its parent's
 
         await asyncio.ensure_future(child())
