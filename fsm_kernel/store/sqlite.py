@@ -35,7 +35,7 @@ change (on ext4 about 120 of a sync's 300 µs), and readers search a short WAL."
 
 
 WAL_PRESIZE = 512 * 1024
-"""Bytes of zeros the WAL is extended to when a store opens: room for CHECKPOINT_EVERY commits
+"""Bytes of zeros the WAL is extended to before a store's first commit: room for CHECKPOINT_EVERY commits
 of a lone run (about 7 KiB each), so no commit grows the file (see `_presize_wal`)."""
 
 
@@ -77,8 +77,9 @@ class SqliteEventStore(SqlEventStore):
         connect = _connect_read_only if read_only else _connect
         self._conn: sqlite3.Connection | None = connect(self.path, busy_timeout)
         self._migrate_or_close(read_only=read_only)
-        if not read_only and not in_memory:
-            self._presize_wal()
+        self._presized = read_only or in_memory
+        """The WAL has had its zeros (at the first commit: a store opened only to be read, by
+        `runs list` say, writes nothing)."""
 
     def __repr__(self) -> str:
         return f"SqliteEventStore({str(self.path)!r})"
@@ -141,6 +142,9 @@ class SqliteEventStore(SqlEventStore):
         and never on the event loop, copy the WAL back into the database (automatic
         checkpoints are off: one would sync the disk inside whichever commit crossed the
         threshold, an idle append's included)."""
+        if not self._presized:
+            self._presized = True
+            self._presize_wal()
         with self._sync_cost.timing(any(job.durable for job in group)):
             super()._commit(group)
         self._commits += 1
@@ -152,8 +156,8 @@ class SqliteEventStore(SqlEventStore):
                 logger.warning("%s: checkpoint failed: %s", self.path, exc)
 
     def _presize_wal(self) -> None:
-        """Extend the WAL file with zeros to WAL_PRESIZE bytes, and sync them, once as the store
-        opens: until the first checkpoint lets SQLite start the WAL over, each commit appends
+        """Extend the WAL file with zeros to WAL_PRESIZE bytes, and sync them, once before the
+        store's first commit: until the first checkpoint lets SQLite start the WAL over, each commit appends
         frames to it, and on ext4 a sync that must also record a larger file costs about 120
         µs more (per commit, for the first 64 of every process: SQLite deletes the WAL when
         the last connection closes). PostgreSQL zero-fills its WAL segments for this reason.
@@ -168,12 +172,15 @@ class SqliteEventStore(SqlEventStore):
         if conn is None or not self._in_wal_mode(conn):
             return
         wal = self.path.with_name(self.path.name + "-wal")
+        patient = not self._impatient  # an idle append's first commit left it at 0 already
         try:
-            conn.execute("PRAGMA busy_timeout = 0")
+            if patient:
+                conn.execute("PRAGMA busy_timeout = 0")
             try:
                 conn.execute("BEGIN IMMEDIATE")
             finally:
-                conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+                if patient:
+                    conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
         except sqlite3.Error as exc:  # busy: another writer is at work, and its WAL grows
             logger.debug("%s: WAL not pre-sized: %s", self.path, exc)
             return

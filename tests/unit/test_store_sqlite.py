@@ -373,7 +373,7 @@ def test_a_read_only_store_must_exist_with_the_current_schema(tmp_path: Path) ->
         SqliteEventStore(old, read_only=True)
 
 
-# --- the WAL pre-sized with zeros when a store opens ----------------------------------------
+# --- the WAL pre-sized with zeros before a store's first commit ------------------------------
 
 
 def wal_of(path: Path) -> Path:
@@ -385,8 +385,8 @@ def test_a_store_extends_its_wal_with_zeros_that_readers_and_recovery_ignore(
 ) -> None:
     path = tmp_path / "runs.db"
     store = SqliteEventStore(path)
-    assert wal_of(path).stat().st_size == sqlite_module.WAL_PRESIZE
     store.append([ev(1, EventType.RUN_STARTED), ev(2)])
+    assert wal_of(path).stat().st_size == sqlite_module.WAL_PRESIZE
     store.append([ev(3)], durable=False)
     data = wal_of(path).read_bytes()
     assert len(data) == sqlite_module.WAL_PRESIZE  # the frames went into the zeros
@@ -415,8 +415,8 @@ def test_zeros_go_past_the_frames_of_a_wal_in_use_and_nothing_is_lost(
     assert in_use > 2048  # frames past the first store's zeros
     monkeypatch.setattr(sqlite_module, "WAL_PRESIZE", in_use + 64 * 1024)
     second = SqliteEventStore(path)  # another process opening the store while the first writes
-    assert wal_of(path).stat().st_size == in_use + 64 * 1024
     second.append([ev(4)])
+    assert wal_of(path).stat().st_size == in_use + 64 * 1024
     first.append([ev(5)], durable=False)
     assert [e.seq for e in second.read("r")] == [1, 2, 3, 4, 5]
     first.close()
@@ -441,6 +441,7 @@ def test_the_zeros_are_written_a_page_at_a_time(
 
     monkeypatch.setattr(sqlite_module.os, "pwrite", pwrite)
     store = SqliteEventStore(tmp_path / "runs.db")
+    store.append([ev(1, EventType.RUN_STARTED)])
     store.close()
     assert sizes
     assert max(sizes) <= 4096
@@ -453,14 +454,14 @@ def test_the_zeros_wait_for_no_other_writer(
 ) -> None:
     path = tmp_path / "runs.db"
     store = SqliteEventStore(path, busy_timeout=30)
-    monkeypatch.setattr(sqlite_module, "WAL_PRESIZE", sqlite_module.WAL_PRESIZE * 2)
+    before = wal_of(path).stat().st_size
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")  # another process holds the write lock
     try:
         with caplog.at_level("DEBUG", logger="fsm_kernel.store.sqlite"):
             store._presize_wal()  # at once: SQLITE_BUSY, not a 30 s wait
         assert f"{path}: WAL not pre-sized: database is locked" in caplog.text
-        assert wal_of(path).stat().st_size == sqlite_module.WAL_PRESIZE // 2
+        assert wal_of(path).stat().st_size == before < sqlite_module.WAL_PRESIZE
     finally:
         writer.execute("ROLLBACK")
         writer.close()
@@ -481,12 +482,12 @@ def test_a_wal_that_cannot_be_extended_only_costs_the_speed_up(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(sqlite_module.os, "pwrite", full)
+    store = SqliteEventStore(tmp_path / "runs.db")
     with caplog.at_level("DEBUG", logger="fsm_kernel.store.sqlite"):
-        store = SqliteEventStore(tmp_path / "runs.db")
+        store.append([ev(1, EventType.RUN_STARTED)])
     assert f"{tmp_path / 'runs.db'}: WAL not pre-sized: [Errno 28] No space left on device" in (
         caplog.text
     )
-    store.append([ev(1, EventType.RUN_STARTED)])
     assert [e.seq for e in store.read("r")] == [1]
     assert store._conn is not None
     assert not store._conn.in_transaction  # the lock taken for it is given back
@@ -631,3 +632,29 @@ def test_a_batchs_tokens_add_up_and_an_ending_without_a_reason_has_none(
     store.append([ev(4, EventType.RUN_TERMINATED, data={})])
     [summary] = store.list_runs()
     assert (summary.status, summary.termination_reason) == ("ended", None)
+
+
+def test_a_store_opened_to_be_read_writes_nothing_and_its_first_commit_gives_the_zeros(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "runs.db"
+    with SqliteEventStore(path) as store:
+        store.append([ev(1, EventType.RUN_STARTED)])
+    writes: list[int] = []
+    real = sqlite_module.os.pwrite
+    monkeypatch.setattr(
+        sqlite_module.os,
+        "pwrite",
+        lambda fd, data, at: writes.append(len(data)) or real(fd, data, at),
+    )
+    with SqliteEventStore(path) as reader:  # as `runs list` opens it
+        assert [r.run_id for r in reader.list_runs()] == ["r"]
+        assert writes == []
+        assert wal_of(path).stat().st_size < sqlite_module.WAL_PRESIZE
+        assert reader.append_if_idle([ev(2)]) is True  # the first commit: on the event loop
+        assert sum(writes) >= sqlite_module.WAL_PRESIZE - 64 * 1024
+        assert reader._conn is not None
+        assert reader._conn.execute("PRAGMA busy_timeout").fetchone()[0] == 0  # left impatient
+        reader.append([ev(3)])  # no second round of zeros
+        assert sum(writes) < sqlite_module.WAL_PRESIZE + 4096
+        assert [e.seq for e in reader.read("r")] == [1, 2, 3]
