@@ -4,7 +4,7 @@ that ended or waits (`_from_log`), and which settings a child inherits (`_inheri
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 import fsm_kernel
 from fsm_kernel.bootstrap import RunOptions, load_spec
 from fsm_kernel.child_runs import LiveChildren, _from_log
-from fsm_kernel.protocol import Completion, Message, Tool, ToolCall, Usage
+from fsm_kernel.protocol import Completion, Event, EventType, Message, Tool, ToolCall, Usage
 from fsm_kernel.replay import RecordedRun
 from fsm_kernel.store import SqliteEventStore
 
@@ -190,22 +190,37 @@ def test_children_use_the_agents_own_model_and_its_person(tmp_path: Path) -> Non
 def test_a_child_reports_its_own_model_calls_and_its_childrens() -> None:
     """What a parent counts against its `max_iterations`: a child's calls and those of the
     child's own children, live and as read back from a log."""
-    from datetime import datetime
-
     from fsm_kernel.kernel import RunResult
-    from fsm_kernel.protocol import Event, EventType
 
     live = RunResult(run_id="c", workflow="w", termination_reason="final_answer", response="",
                      iterations=2, child_iterations=5)  # fmt: skip
     assert live.as_child().iterations == 7
 
-    def ended(**data: Any) -> RecordedRun:
-        now = datetime.now(UTC)
-        started = Event(run_id="c", seq=1, type=EventType.RUN_STARTED, timestamp=now)
-        terminated = Event(run_id="c", seq=2, type=EventType.RUN_TERMINATED, timestamp=now,
-                           data={"reason": "final_answer", "answer": "", **data})  # fmt: skip
-        return RecordedRun("c", [started, terminated], started, terminated)
-
     spec = load_spec(str(Path(fsm_kernel.__file__).parents[1] / "workflows" / "default.yaml"))
     assert _from_log(ended(iterations=2, child_iterations=5), spec).iterations == 7
     assert _from_log(ended(iterations=2), spec).iterations == 2
+
+
+def ended(**data: Any) -> RecordedRun:
+    """The log of a child run that ended for `final_answer`, its ending carrying `data`."""
+    now = datetime.now(UTC)
+    started = Event(run_id="c", seq=1, type=EventType.RUN_STARTED, timestamp=now)
+    terminated = Event(run_id="c", seq=2, type=EventType.RUN_TERMINATED, timestamp=now,
+                       data={"reason": "final_answer", "answer": "", **data})  # fmt: skip
+    return RecordedRun("c", [started, terminated], started, terminated)
+
+
+@pytest.mark.parametrize(
+    ("data", "drawn"),
+    [
+        ({"iterations": 3, "shared_calls": 2, "child_iterations": 4}, 6),  # its own and theirs
+        ({"iterations": 3, "shared_calls": 0}, 0),  # refused at once
+        ({"iterations": 3, "child_iterations": 4}, 7),  # an older log: all its calls
+    ],
+)
+def test_what_a_child_that_ended_drew_on_its_maps_pool(data: dict[str, Any], drawn: int) -> None:
+    from fsm_kernel.child_runs import _drawn
+
+    run = ended(**data)
+    spec = load_spec(str(Path(fsm_kernel.__file__).parents[1] / "workflows" / "default.yaml"))
+    assert _drawn(run, _from_log(run, spec)) == drawn

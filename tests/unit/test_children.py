@@ -620,3 +620,21 @@ def test_a_map_without_a_cap_shares_none_and_a_nested_one_draws_on_its_parents()
         return ctx.child_iterations
 
     assert asyncio.run(in_a_child_of_a_map_with_two_calls_left()) == 2
+
+
+def test_a_context_summary_is_a_call_drawn_on_the_maps_pool() -> None:
+    from fsm_kernel.protocol import Completion, Message
+    from fsm_kernel.workflow.actions import _summarize
+
+    class Condenses:
+        async def complete(self, messages: Any, tools: Any, **options: Any) -> Completion:
+            return Completion(message=Message.assistant("in short: nothing yet"))
+
+    async def in_a_map() -> tuple[int, int | None, int]:
+        pool = CallPool(5)
+        draw_on(pool)
+        ctx = RunContext(services=RunServices(model=Condenses()))
+        await _summarize(ctx, [Message.user("an old turn")])
+        return pool.spent, ctx.notes.shared_calls, ctx.iteration
+
+    assert asyncio.run(in_a_map()) == (1, 1, 1)
