@@ -290,11 +290,15 @@ class Kernel:
             if not recorder.catching_up:
                 await self.sleep(seconds)
 
+        def record(type_: EventType, data: dict[str, Any]) -> None:
+            recorder.iteration = ctx.iteration  # an action's events: of the iteration it is in
+            recorder.record(type_, data)
+
         services = RunServices(
             model=model or self.model,
             tools=tools or self.tools,
             clock=self.clock,
-            record=recorder.record,
+            record=record,
             flush=recorder.flush,
             human=OffTheClock(human or self.human),
             state_models=self.state_models if state_models is None else state_models,

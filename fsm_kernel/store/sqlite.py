@@ -35,8 +35,9 @@ change (on ext4 about 120 of a sync's 300 µs), and readers search a short WAL."
 
 
 WAL_PRESIZE = 512 * 1024
-"""Bytes of zeros the WAL is extended to before a store's first commit: room for CHECKPOINT_EVERY commits
-of a lone run (about 7 KiB each), so no commit grows the file (see `_presize_wal`)."""
+"""Bytes of zeros the WAL is extended to before a store's first commit: room for
+CHECKPOINT_EVERY commits of a lone run (about 7 KiB each), so no commit grows the file (see
+`_presize_wal`)."""
 
 
 class SqliteEventStore(SqlEventStore):
@@ -157,10 +158,11 @@ class SqliteEventStore(SqlEventStore):
 
     def _presize_wal(self) -> None:
         """Extend the WAL file with zeros to WAL_PRESIZE bytes, and sync them, once before the
-        store's first commit: until the first checkpoint lets SQLite start the WAL over, each commit appends
-        frames to it, and on ext4 a sync that must also record a larger file costs about 120
-        µs more (per commit, for the first 64 of every process: SQLite deletes the WAL when
-        the last connection closes). PostgreSQL zero-fills its WAL segments for this reason.
+        store's first commit: until the first checkpoint lets SQLite start the WAL over, each
+        commit appends frames to it, and on ext4 a sync that must also record a larger file
+        costs about 120 µs more (per commit, for the first 64 of every process: SQLite deletes
+        the WAL when the last connection closes). PostgreSQL zero-fills its WAL segments for
+        this reason.
 
         Safe for SQLite, and for any process sharing the file: the zeros go past the WAL's end
         only, while this connection holds the write lock (no frame is being appended), and a

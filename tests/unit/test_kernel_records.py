@@ -210,3 +210,39 @@ def test_a_cancelled_run_leaves_its_task_free_to_go_on() -> None:
 
     assert result.termination_reason == "cancelled"
     assert (cancelling, went_on) == (0, "went on")
+
+
+def test_a_model_call_that_never_answered_is_a_failed_iteration_stamped_with_its_state(
+    tmp_path: Path,
+) -> None:
+    from fsm_kernel.errors import AgentConnectionError
+
+    down = AgentConnectionError("cannot reach model server at http://x/v1: refused")
+    model = ScriptedChatModel([call("datetime", {}), down])
+    result = DEFAULT.run("go", model=model, workspace=tmp_path)
+
+    assert result.termination_reason == "agent_error"
+    first, second = records(result)
+    assert (first["step"], first["decision"], first["error"]) == (1, "tool_calls", None)
+    assert second["step"] == 2
+    assert second["decision"] == "failed"  # the model call of this iteration never answered
+    assert second["answer"] == ""
+    assert second["tools"] == []
+    assert second["error"] == "cannot reach model server at http://x/v1: refused"
+    assert second["next_state"] == "think"  # where the run was when it ended
+    stamped = {
+        (e.type.value, e.state)
+        for e in result.events
+        if e.type.value.startswith(("model.", "tool."))
+    }
+    assert stamped == {
+        ("model.requested", "think"),
+        ("model.responded", "think"),
+        ("model.failed", "think"),
+        ("tool.started", "act"),
+        ("tool.finished", "act"),
+    }  # each event carries the state whose action recorded it
+    by_iteration = [
+        (e.type.value, e.iteration) for e in result.events if e.type.value == "model.requested"
+    ]
+    assert by_iteration == [("model.requested", 1), ("model.requested", 2)]
