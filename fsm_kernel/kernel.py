@@ -132,6 +132,8 @@ class RunResult:
             "tool_calls": [r.to_dict() for r in self.tool_calls],
             "usage": self.usage.to_dict(),
         }
+        if self.child_iterations:
+            d["child_iterations"] = self.child_iterations
         if self.error:
             d["error"] = self.error
         if self.waiting_for is not None:

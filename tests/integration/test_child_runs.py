@@ -270,6 +270,7 @@ def test_the_children_of_a_map_share_the_parents_remaining_iterations(
     finished = [e.data for e in log if e.type is EventType.CHILD_FINISHED]
     assert sum(f["iterations"] for f in finished) == 6
     assert log[-1].data["child_iterations"] == 6  # the parent's ending: 1 call + 6 of theirs
+    assert (done.json()["iterations"], done.json()["child_iterations"]) == (1, 6)
     assert {f["reason"] for f in finished} == {"max_iterations"}
     refused = [
         f for f in finished if "the children of a workflow.map share them" in (f.get("error") or "")
