@@ -410,7 +410,9 @@ class Kernel:
         hit = limit_reached(ctx, model_call_next=spends)
         if hit is not None:
             raise _Stop(hit.reason, hit.error)
-        spent = take_shared_call(ctx) if calls_model else None  # a map's children share a cap
+        spent = None
+        if calls_model:  # a map's children share their parent's cap
+            spent = take_shared_call(ctx, recorded=recorder.catching_up)
         if spent is not None:
             raise _Stop(TerminationReason.MAX_ITERATIONS, spent)
         if action is not None:

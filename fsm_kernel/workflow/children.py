@@ -191,11 +191,15 @@ def draw_on(pool: CallPool | None) -> None:
     _SHARED_CALLS.set(pool)
 
 
-def take_shared_call(ctx: RunContext) -> str | None:
+def take_shared_call(ctx: RunContext, *, recorded: bool = False) -> str | None:
     """Take the run's next model call from the pools of the maps it is a child of (the kernel
-    asks before each model call); why not, when one of them is spent."""
+    asks before each model call); why not, when one of them is spent. A call its log already
+    holds (`recorded`: a resumed child catching up) is counted, never refused: it was made."""
     pool = _SHARED_CALLS.get()
     if pool is None:
+        return None
+    if recorded:
+        charge_shared_calls(1, ctx)
         return None
     spent = pool.take()
     ctx.notes.shared_calls = (ctx.notes.shared_calls or 0) + (spent is None)

@@ -638,3 +638,18 @@ def test_a_context_summary_is_a_call_drawn_on_the_maps_pool() -> None:
         return pool.spent, ctx.notes.shared_calls, ctx.iteration
 
     assert asyncio.run(in_a_map()) == (1, 1, 1)
+
+
+def test_a_call_the_log_already_holds_is_counted_never_refused() -> None:
+    async def a_resumed_child_catching_up() -> tuple[str | None, int, int | None, str | None]:
+        pool = CallPool(1)
+        draw_on(pool)
+        ctx = RunContext()
+        assert take_shared_call(ctx) is None  # the one call there was
+        caught_up = take_shared_call(ctx, recorded=True)  # its sibling's, made before a crash
+        return caught_up, pool.spent, ctx.notes.shared_calls, take_shared_call(ctx)
+
+    caught_up, spent, drawn, live = asyncio.run(a_resumed_child_catching_up())
+    assert (caught_up, spent, drawn) == (None, 2, 2)
+    assert live is not None
+    assert "are spent" in live

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fsm_kernel.errors import AgentConnectionError
 from fsm_kernel.kernel import Kernel
@@ -130,3 +131,33 @@ def test_log_lines_name_the_run_while_it_goes_and_their_caller_after() -> None:
 
     assert asyncio.run(inside_a_parent()) == ("child", "parent")
     assert seen == ["child"]
+
+
+def test_a_resumed_child_of_a_map_counts_the_calls_its_log_holds_and_is_refused_only_live(
+    tmp_path: Path,
+) -> None:
+    from fsm_kernel.errors import AgentConnectionError
+    from fsm_kernel.testing import ScriptedChatModel, call
+    from fsm_kernel.workflow.children import CallPool, draw_on
+
+    down = AgentConnectionError("cannot reach model server at http://x/v1: refused")
+    with SqliteEventStore(tmp_path / "r.db") as store:
+        cut_off = kernel(ScriptedChatModel([call("datetime", {}), down]), store).run_sync("go")
+        assert cut_off.termination_reason == "agent_error"  # resumable
+        later = ScriptedChatModel([call("datetime", {"n": 2}), "never asked"])
+        pool = CallPool(0)  # its siblings spent the rest while it was down
+
+        async def resumed_in_its_map() -> Any:
+            draw_on(pool)
+            return await resume_run(kernel(later, store), store, cut_off.run_id)
+
+        result = asyncio.run(resumed_in_its_map())
+
+    # both calls its log holds go on (the second failed, so it is asked again, live); the
+    # third, never taken before, is refused
+    assert result.termination_reason == "max_iterations"
+    assert result.error is not None
+    assert "are spent" in result.error
+    assert result.iterations == 2
+    assert pool.spent == 2
+    assert later.remaining == 1
