@@ -219,9 +219,15 @@ class RunRecorder:
         for watch in self.watchers:
             watch(item)
 
-    def record(self, type_: EventType, data: dict[str, Any]) -> Event:
+    def record(self, type_: EventType, data: dict[str, Any]) -> Event | None:
+        """Append an event (or, catching up with the log, take the recorded one it matches);
+        None for an event that a log written by an older fsm-kernel lacks (`_added_later`)."""
         data = redact_data(data)  # nothing secret reaches the store, the log or a watcher
         if self.catching_up:
+            if _added_later(type_, data) and not self._same(
+                self._expected[self._cursor], type_, data
+            ):
+                return None  # the history re-driven stays as it was written
             matched = self._match(type_, data)
             if matched is not None:
                 return matched
@@ -243,11 +249,14 @@ class RunRecorder:
         logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
         return event
 
+    @staticmethod
+    def _same(recorded: Event, type_: EventType, data: dict[str, Any]) -> bool:
+        keys = _IDENTITY.get(type_, ())
+        return recorded.type == type_ and all(recorded.data.get(k) == data.get(k) for k in keys)
+
     def _match(self, type_: EventType, data: dict[str, Any]) -> Event | None:
         recorded = self._expected[self._cursor]
-        keys = _IDENTITY.get(type_, ())
-        same = recorded.type == type_ and all(recorded.data.get(k) == data.get(k) for k in keys)
-        if not same:
+        if not self._same(recorded, type_, data):
             self.diverged_at = recorded
             logger.warning(
                 "resume diverged from the log at seq %d (%s); recording live from here",
@@ -259,6 +268,12 @@ class RunRecorder:
         self._cursor += 1
         self.events.append(recorded)
         return recorded
+
+
+def _added_later(type_: EventType, data: dict[str, Any]) -> bool:
+    """An event this fsm-kernel writes that a log written by an older one may lack where it
+    would be: a context summary's `iteration.completed` (written since 0.1)."""
+    return type_ is EventType.ITERATION_COMPLETED and data.get("decision") == "summarize"
 
 
 def _holds(batch: Sequence[Event], types: frozenset[EventType]) -> bool:

@@ -279,6 +279,23 @@ async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
             "summary_chars": len(ctx.context_summary.text),
         },
     )
+    ctx.record(EventType.ITERATION_COMPLETED, _summary_record(ctx))
+    ctx.notes.recorded_iteration = ctx.iteration  # the kernel's next record is the next one
+
+
+def _summary_record(ctx: RunContext) -> dict[str, Any]:
+    """The `iteration.completed` record of a context summary's model call (its own iteration),
+    with the fields of every iteration's record."""
+    summary = ctx.context_summary.text if ctx.context_summary else ""
+    return {
+        "step": ctx.iteration,
+        "decision": "summarize",
+        "answer": summary[:500],
+        "tools": [],
+        "error": None,
+        "summary": "",
+        "next_state": ctx.current_state,
+    }
 
 
 def _request_options(ctx: RunContext) -> dict[str, Any]:

@@ -6,6 +6,7 @@ separated from its results."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,60 @@ def test_summarize_condenses_the_older_turns_with_a_recorded_model_call(
     assert sum(1 for a in asked if a.get("purpose") == "summarize") == len(summaries)
     trimmed = [e.data for e in log if e.type is EventType.CONTEXT_TRIMMED]
     assert {t["strategy"] for t in trimmed} == {"summarize"}
+    # every iteration has its record, each summary's too (with the summary as its answer)
+    records = [e.data for e in log if e.type is EventType.ITERATION_COMPLETED]
+    assert [r["step"] for r in records] == list(range(1, result["iterations"] + 1))
+    condensed = [r for r in records if r["decision"] == "summarize"]
+    assert len(condensed) == len(summaries)
+    assert condensed[0]["answer"].startswith("Read notes.txt ")
+    assert (condensed[0]["tools"], condensed[0]["next_state"]) == ([], "think")
+    shown = cli(capsys, "runs", "show", result["run_id"], "--store", store, "--json").json()
+    assert [it["decision"] for it in shown["iterations"]].count("summarize") == len(summaries)
     replay = cli(capsys, "replay", result["run_id"], "--store", store, "--json")
     report = json.loads(replay.out)
     assert report["identical"] is True, (report["first_divergence"], report["error"])
+
+
+def test_a_summary_missing_from_a_log_written_before_its_record_resumes_without_divergence(
+    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log written before a summary had its own `iteration.completed` lacks that record: a
+    resume re-drives it as written (no divergence, no model call asked again)."""
+    from tests.fakes.openai_server import http_error
+
+    def reply(request: dict[str, Any]) -> Any:
+        if as_messages(request)[0].content.startswith("Condense the conversation"):
+            return text_reply("Read notes.txt a few times so far.")
+        return tool_reply(call("read_file", {"path": "notes.txt"}))
+
+    server.enqueue(*[reply] * 8, http_error(500))  # the 9th call fails: a resumable ending
+    store = tmp_path / "runs.db"
+    path = workflow(tmp_path, "context: {max_tokens: 1500, strategy: summarize, keep: 2}\n")
+    first = cli(
+        capsys, "run", path, "-p", "Read notes.txt.", "--base-url", server.base_url,
+        "--model", "m", "--store", store, "--workspace", tmp_path, "--json", "--max-retries", "0",
+    )  # fmt: skip
+    assert first.json()["termination_reason"] == "agent_error"
+    run_id = first.json()["run_id"]
+    with SqliteEventStore(store) as events:
+        log = events.read(run_id)
+    summary_records = [
+        e.seq for e in log
+        if e.type is EventType.ITERATION_COMPLETED and e.data["decision"] == "summarize"
+    ]  # fmt: skip
+    assert summary_records, "the window made the run summarize"
+    with sqlite3.connect(store) as conn:  # as an older fsm-kernel wrote it
+        conn.executemany(
+            "DELETE FROM events"
+            " WHERE key = (SELECT run_no FROM runs WHERE run_id = ?) * 4294967296 + ?",
+            [(run_id, seq) for seq in summary_records],
+        )
+    asked = len(server.requests)
+    server.enqueue(text_reply("Done reading."))
+
+    resumed = cli(capsys, "resume", run_id, "--store", store, "--base-url", server.base_url,
+                  "--model", "m", "--json", "--verbose")  # fmt: skip
+
+    assert resumed.json()["termination_reason"] == "final_answer", resumed.err
+    assert "diverged" not in resumed.err
+    assert len(server.requests) == asked + 1  # only the call that had failed is asked again
