@@ -379,8 +379,8 @@ def test_fail_fast_cancels_the_items_still_running() -> None:
     state = StateSpec(
         action="workflow.map", workflow="w", items="scratch.xs", max_concurrency=3, fail_fast=True
     )
-    ctx, _ = context(Mixed(lambda r: result(r.run_id)), state=state,
-                     scratch={"xs": ["slow1", "bad", "slow2"]})  # fmt: skip
+    runner = Mixed(lambda r: result(r.run_id))
+    ctx, _ = context(runner, state=state, scratch={"xs": ["slow1", "bad", "slow2"]})
 
     async def go() -> None:
         async with asyncio.timeout(10):
@@ -391,6 +391,26 @@ def test_fail_fast_cancels_the_items_still_running() -> None:
     assert reasons == ["cancelled", "tool_failures", None]
     assert ctx.children[0].error == "cancelled: another item failed (fail_fast)"
     assert ctx.children[2].error == "not started: an earlier item failed (fail_fast)"
+    ids = [r.run_id for r in runner.requests]
+    assert [c.run_id for c in ctx.children[:2]] == ids[:2]  # each under its own id
+    assert ctx.children[2].run_id not in ids  # never asked for, yet recorded under its id
+    assert [(c.workflow, c.ok) for c in ctx.children] == [
+        ("w", False),
+        ("step", False),
+        ("w", False),
+    ]
+
+
+def test_a_runner_that_raises_fails_the_map_with_its_error() -> None:
+    def breaks(request: ChildRequest) -> ChildResult:
+        if request.prompt == "b":
+            raise RuntimeError("the runner broke")
+        return result(request.run_id)
+
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs")
+    ctx, _ = context(FakeRunner(breaks), state=state, scratch={"xs": ["a", "b"]})
+    with pytest.raises(RuntimeError, match="the runner broke"):
+        asyncio.run(workflow_map(ctx))
 
 
 # --- the details a run reads back ----------------------------------------------------------
