@@ -173,6 +173,10 @@ class Worker:
     def ask(self, n: int, **flags: bool) -> dict[str, Any]:
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None
+        # Each run starts on a quiet disk: the writes another contender left in the page cache
+        # (a 1,000-iteration LangGraph run leaves about 1 GB) are on disk first, so no run's
+        # syncs queue behind them.
+        os.sync()
         self.proc.stdin.write(json.dumps({"n": n, **flags}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
