@@ -32,7 +32,7 @@ from fsm_kernel.protocol import (
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
-from fsm_kernel.workflow.actions import is_truncated
+from fsm_kernel.workflow.actions import ANSWER_SHOWN, is_truncated, iteration_record
 from fsm_kernel.workflow.children import ChildResult, ChildRunner, take_shared_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
@@ -410,11 +410,10 @@ class Kernel:
         hit = limit_reached(ctx, model_call_next=spends)
         if hit is not None:
             raise _Stop(hit.reason, hit.error)
-        spent = None
         if calls_model:  # a map's children share their parent's cap
             spent = take_shared_call(ctx, recorded=recorder.catching_up)
-        if spent is not None:
-            raise _Stop(TerminationReason.MAX_ITERATIONS, spent)
+            if spent is not None:
+                raise _Stop(TerminationReason.MAX_ITERATIONS, spent)
         if action is not None:
             ctx.state_spec = self.spec.states[state]
             await run_action(ctx, action, ctx.state_spec)  # under its retry: and catch:
@@ -587,11 +586,14 @@ def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> di
     caught = ctx.caught
     if completion is None and error is None and caught and caught.iteration == ctx.iteration:
         error = f"{caught.type}: {caught.message}"  # the failed call a catch: routed
-    return {
-        "step": ctx.iteration,
-        "decision": decision,
-        "answer": completion.message.content[:500] if completion and decision == "answer" else "",
-        "tools": [
+    return iteration_record(
+        ctx.iteration,
+        decision,
+        next_state=next_state,
+        answer=completion.message.content[:ANSWER_SHOWN]
+        if completion and decision == "answer"
+        else "",
+        tools=[
             {
                 "id": r.call.id,
                 "name": r.call.name,
@@ -601,8 +603,7 @@ def _iteration_record(ctx: RunContext, next_state: str, error: str | None) -> di
             }
             for r in calls
         ],
-        "error": (ctx.malformed_reason if completion else error)
+        error=(ctx.malformed_reason if completion else error)
         or ("; ".join(errors) if errors else None),
-        "summary": ctx.summary,
-        "next_state": next_state,
-    }
+        summary=ctx.summary,
+    )

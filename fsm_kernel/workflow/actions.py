@@ -43,6 +43,7 @@ __all__ = [
     "RefError",
     "in_thread",
     "is_truncated",
+    "iteration_record",
     "resolve_action",
     "resolve_guard",
     "resolve_ref",
@@ -279,22 +280,40 @@ async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
             "summary_chars": len(ctx.context_summary.text),
         },
     )
-    ctx.record(EventType.ITERATION_COMPLETED, _summary_record(ctx))
+    record = iteration_record(
+        ctx.iteration,
+        "summarize",
+        next_state=ctx.current_state,
+        answer=ctx.context_summary.text[:ANSWER_SHOWN],
+    )
+    ctx.record(EventType.ITERATION_COMPLETED, record)
     ctx.notes.recorded_iteration = ctx.iteration  # the kernel's next record is the next one
 
 
-def _summary_record(ctx: RunContext) -> dict[str, Any]:
-    """The `iteration.completed` record of a context summary's model call (its own iteration),
-    with the fields of every iteration's record."""
-    summary = ctx.context_summary.text if ctx.context_summary else ""
+ANSWER_SHOWN = 500
+"""The characters of an answer an `iteration.completed` record keeps."""
+
+
+def iteration_record(
+    step: int,
+    decision: str,
+    *,
+    next_state: str,
+    answer: str = "",
+    tools: Sequence[dict[str, Any]] = (),
+    error: str | None = None,
+    summary: str = "",
+) -> dict[str, Any]:
+    """The data of an `iteration.completed` event: every iteration's record has these fields
+    (`decision`: tool_calls, answer, malformed, failed or summarize)."""
     return {
-        "step": ctx.iteration,
-        "decision": "summarize",
-        "answer": summary[:500],
-        "tools": [],
-        "error": None,
-        "summary": "",
-        "next_state": ctx.current_state,
+        "step": step,
+        "decision": decision,
+        "answer": answer,
+        "tools": list(tools),
+        "error": error,
+        "summary": summary,
+        "next_state": next_state,
     }
 
 

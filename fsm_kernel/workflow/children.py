@@ -202,9 +202,11 @@ def take_shared_call(ctx: RunContext, *, recorded: bool = False) -> str | None:
         charge_shared_calls(1, ctx)
         return None
     spent = pool.take()
-    ctx.notes.shared_calls = (ctx.notes.shared_calls or 0) + (spent is None)
+    drawn = ctx.notes.shared_calls or 0  # set even when refused: its ending says it drew on one
     if spent is None:
+        ctx.notes.shared_calls = drawn + 1
         return None
+    ctx.notes.shared_calls = drawn
     return (
         f"the {spent.size} model call(s) its parent had left are spent: the children of a "
         "workflow.map share them"
