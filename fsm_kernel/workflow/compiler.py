@@ -58,24 +58,31 @@ class FiredTransition:
 
 
 class Machine:
-    """One run's state machine: where it is, and one `step()` at a time."""
+    """One run's state machine: where it is, and one `step()` at a time.
+
+    The engine (the python-statemachine instance) is built the first time a step needs it:
+    a run whose every situation the engine has decided before (see `step`) never pays for one,
+    which costs more than all of a short run's steps."""
 
     def __init__(self, compiled: CompiledWorkflow, ctx: RunContext, *, start: str | None) -> None:
         self.compiled = compiled
         self.ctx = ctx
-        # The library keeps the configuration on the model (ctx.state); clear it so a context
-        # reused across machines (tests, resume) starts where it is told to.
-        ctx.__dict__.pop("state", None)
-        self._sm = compiled.machine_class(model=ctx, start_value=start or compiled.spec.initial)
+        self._sm: StateChart[Any] | None = None
         self._where: tuple[str, bool] = ("", False)
-        self._read_engine()
+        self._arrive(start or compiled.spec.initial)
 
-    def _read_engine(self) -> None:
-        """Take the state, and whether it is final, from the engine (only `step` changes
-        them): reading its configuration costs more than all the rest of a step."""
-        state = str(next(iter(self._sm.configuration_values)))
-        self._where = (state, bool(self._sm.is_terminated))
+    def _arrive(self, state: str) -> None:
+        self._where = (state, self.compiled.spec.states[state].final)
         self.ctx.current_state = state
+
+    def _engine(self) -> StateChart[Any]:
+        """The engine, at the current state (built on first use)."""
+        if self._sm is None:
+            # The library keeps the configuration on the model (ctx.state); clear it so a
+            # context reused across machines (tests, resume) starts where it is told to.
+            self.ctx.__dict__.pop("state", None)
+            self._sm = self.compiled.machine_class(model=self.ctx, start_value=self.state)
+        return self._sm
 
     @property
     def state(self) -> str:
@@ -99,22 +106,25 @@ class Machine:
         functions of the context) is decided by the values they have now, so when the same
         values come again the engine's earlier decision is taken at once (its `on` callback
         run, the state set) instead of sending the event through the engine again. Users'
-        guards, and edges into final states (the engine stops there), always go through it."""
+        guards always go through it."""
         source = self.state
         self.ctx.notes.fired = None
         guards = self.compiled.pure_guards.get(source)
         key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
         index = self.compiled.decisions.get(key) if key is not None else None
-        try:
-            if index is not None:
-                self.compiled.on_fire[index](self.ctx)
-                self._sm.current_state_value = self.compiled.targets[index]
-            else:
+        if index is not None:
+            self.compiled.on_fire[index](self.ctx)
+            target = self.compiled.targets[index]
+            if self._sm is not None:
+                self._sm.current_state_value = target
+            self._arrive(target)
+        else:
+            try:
                 index = self._send(source)
-        finally:
-            self._read_engine()
-        if key is not None and not self.is_final:  # (again, when it came from there)
-            self.compiled.decisions[key] = index
+            finally:  # where the engine is, even when a guard raised
+                self._arrive(str(next(iter(self._engine().configuration_values))))
+            if key is not None:
+                self.compiled.decisions[key] = index
         edge = self.compiled.spec.catch_edge(index)
         if edge is not None:
             return FiredTransition(
@@ -131,7 +141,7 @@ class Machine:
 
     def _send(self, source: str) -> int:
         try:
-            self._sm.send(EVENT_NAME)
+            self._engine().send(EVENT_NAME)
         except TransitionNotAllowed:
             raise NoTransitionError(
                 f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id

@@ -14,7 +14,7 @@ from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.kernel import Kernel
 from fsm_kernel.protocol import Completion, Message, ToolCall
 from fsm_kernel.tools import builtin_registry
-from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
+from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine, compile_workflow
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.loader import load_workflow, load_workflow_text
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
@@ -480,6 +480,89 @@ def test_a_taken_decision_leaves_the_machine_as_the_engine_would(
         ctx.last_completion = _answer()
         machine.step()  # act -> think (user guard), then think -> end: the engine's own path
         assert machine.step().final
+
+
+PURE = """
+name: pure
+initial: observe
+states:
+  observe: {action: session.observe}
+  think: {action: session.observe}
+  act: {action: session.observe}
+  end: {final: true}
+transitions:
+  - {source: observe, target: think}
+  - {source: think, target: act, guard: has_tool_calls}
+  - {source: think, target: think, guard: malformed_output, unless: retries_exhausted}
+  - {source: think, target: end, reason: final_answer}
+  - {source: act, target: think}
+"""
+
+
+def _engines(monkeypatch: pytest.MonkeyPatch, compiled: CompiledWorkflow) -> list[str]:
+    """The state each engine built for a machine of `compiled` started at."""
+    built: list[str] = []
+    original = compiled.machine_class.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(kwargs["start_value"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled.machine_class, "__init__", init)
+    return built
+
+
+def _drive(compiled: CompiledWorkflow, *completions: Completion) -> tuple[Machine, list[str]]:
+    """Step a machine from the start, giving the context each completion when it reaches think."""
+    ctx = _ctx()
+    machine = compiled.instantiate(ctx)
+    left = list(completions)
+    path = [machine.state]
+    while not machine.is_final:
+        if machine.state == "think":
+            ctx.last_completion = left.pop(0)
+        path.append(machine.step().target)
+    return machine, path
+
+
+def test_a_run_of_situations_decided_before_builds_no_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = compile_workflow(load_workflow_text(PURE))
+    sent, built = _sends(monkeypatch, compiled), _engines(monkeypatch, compiled)
+
+    _, first = _drive(compiled, _tool_calls(), _answer())
+    assert (len(built), len(sent)) == (1, 4)  # the engine decided every situation once
+
+    machine, again = _drive(compiled, _tool_calls(), _answer())
+    assert again == first == ["observe", "think", "act", "think", "end"]
+    assert (len(built), len(sent)) == (1, 4)  # decided before: no engine, nothing sent
+    assert machine.is_final  # the edge into the final state was taken again too
+    assert (machine.state, machine.ctx.current_state) == ("end", "end")
+
+
+def test_an_engine_built_mid_run_starts_where_the_machine_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = compile_workflow(load_workflow_text(PURE.replace("pure", "pure_b")))
+    _drive(compiled, _tool_calls(), _answer())
+    built = _engines(monkeypatch, compiled)
+    ctx = _ctx()
+    machine = compiled.instantiate(ctx)
+    for _ in range(3):  # observe -> think -> act -> think, all decided before
+        ctx.last_completion = _tool_calls()
+        machine.step()
+    assert (machine.state, built) == ("think", [])
+    ctx.malformed_reason = "bad JSON"  # a situation the engine has not seen
+
+    fired = machine.step()
+
+    assert built == ["think"]
+    assert (fired.source, fired.target, fired.index) == ("think", "think", 2)
+    assert (machine.state, machine.is_final) == ("think", False)
+    ctx.malformed_reason, ctx.last_completion = None, _answer()
+    fired = machine.step()  # by the engine it built
+    assert (fired.target, fired.final, machine.is_final) == ("end", True, True)
 
 
 def test_a_state_with_a_users_guard_always_asks_the_engine(
