@@ -16,10 +16,9 @@ Four parts (`--parts overhead,growth,concurrency,startup` picks some):
    and wchar, bytes handed to write calls, including closing the store) and the store's size;
    medians of per-round ratios against the floor and each peer. Every run's final
    conversation is checked against the reference.
-2. growth: --growth-rounds (3) runs of --growth-n (1,000) iterations per contender, the round
-   with the median ratio reported; cycle time (model call to
-   model call) and bytes per iteration at iterations 1-10 against the last 10 (medians of the
-   windows), written (wchar) and stored (the payload each framework stores per iteration; for
+2. growth: --growth-rounds (5) runs of --growth-n (1,000) iterations per contender; cycle time
+   (model call to model call) and bytes per iteration at iterations 1-10 against the last 10
+   (the median of each window's iterations of every round, pooled), written (wchar) and stored (the payload each framework stores per iteration; for
    LangGraph and Burr, checkpoints and writes grouped by step, two steps an iteration).
 3. concurrency: --runs (500) runs of --conc-iterations (5) model calls in one process against a
    fake OpenAI server with --latency (50 ms) per request (a separate process: _asyncio_llm.py,
@@ -248,26 +247,22 @@ def overhead(workers: dict[str, Worker], n: int, rounds: int) -> dict[str, Any]:
 # --- 2. growth -------------------------------------------------------------------------------
 
 
-def _window(values: Sequence[float], first: bool, size: int = 10) -> float:
-    part = values[:size] if first else values[-size:]
-    return _median(part)
+def _window(rounds: Sequence[Sequence[float]], first: bool, size: int = 10) -> float:
+    """The median of the first (or last) `size` samples of every round, pooled."""
+    return _median([v for values in rounds for v in (values[:size] if first else values[-size:])])
 
 
-def growth(workers: dict[str, Worker], n: int, rounds: int = 3) -> dict[str, Any]:
-    """Each contender's growth, `rounds` times (round-robin): the round whose last-100 /
-    first-100 time ratio is the median is reported, with every round's ratios beside it (one
-    round on a noisy 2-core machine swings by 30%)."""
+def growth(workers: dict[str, Worker], n: int, rounds: int = 5) -> dict[str, Any]:
+    """Each contender's growth over `rounds` runs (round-robin). A window's figure is the
+    median of that window's iterations in every round, pooled (ten samples of one round swing
+    by 20% on a noisy 2-core machine); each round's own ratios are reported beside it."""
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
     for _ in range(rounds):
         for name, worker in workers.items():
             per_round[name].append(_growth_round(name, worker, n))
     results: dict[str, Any] = {}
-    for name, entries in per_round.items():
-        ordered = sorted(entries, key=lambda e: e["time_ratio_100"])
-        entry = dict(ordered[len(ordered) // 2])
-        entry["rounds_time_ratio"] = [round(e["time_ratio"], 3) for e in entries]
-        entry["rounds_time_ratio_100"] = [round(e["time_ratio_100"], 3) for e in entries]
-        results[name] = entry
+    for name, samples in per_round.items():
+        entry = results[name] = _growth_entry(name, samples)
         print(
             f"  growth {name}: x{entry['time_ratio']:.2f} (rounds {entry['rounds_time_ratio']}), "
             f"x{entry['time_ratio_100']:.2f} over 100 (rounds {entry['rounds_time_ratio_100']})",
@@ -277,43 +272,62 @@ def growth(workers: dict[str, Worker], n: int, rounds: int = 3) -> dict[str, Any
 
 
 def _growth_round(name: str, worker: Worker, n: int) -> dict[str, Any]:
+    """One run of `n` iterations: per iteration, its cycle time (µs, model call to model
+    call), bytes handed to write calls, bytes dirtied towards the disk, bytes stored."""
     t0 = time.perf_counter()
     out = worker.ask(n, sample_io=True, stored=True)
     if "error" in out:
         raise RuntimeError(f"{name}: {out['error']}")
-    calls = out["calls"]
-    cycles = [(b - a) * 1e6 for a, b in itertools.pairwise(calls[: n + 1])]
-    io = out["io"]
-    written = [float(b[1] - a[1]) for a, b in itertools.pairwise(io[: n + 1])]
-    disk = [float(b[0] - a[0]) for a, b in itertools.pairwise(io[: n + 1])]
+    calls, io = out["calls"], out["io"]
     stored = out.get("stored_per_iteration")
+    return {
+        "ok": out["ok"],
+        "seconds": time.perf_counter() - t0,
+        "us_per_iteration": out["seconds"] / n * 1e6,
+        "store_bytes": out["store_bytes"],
+        "cycles": [(b - a) * 1e6 for a, b in itertools.pairwise(calls[: n + 1])],
+        "written": [float(b[1] - a[1]) for a, b in itertools.pairwise(io[: n + 1])],
+        "disk": [float(b[0] - a[0]) for a, b in itertools.pairwise(io[: n + 1])],
+        "stored": [float(v) for v in stored[1 : n + 1]] if stored else None,
+    }
+
+
+def _growth_entry(name: str, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    cycles = [s["cycles"] for s in samples]
+    written = [s["written"] for s in samples]
+    disk = [s["disk"] for s in samples]
     entry: dict[str, Any] = {
         "label": LABELS.get(name, name),
-        "history_ok": out["ok"],
-        "seconds": round(time.perf_counter() - t0, 2),
-        "us_per_iteration": out["seconds"] / n * 1e6,
+        "history_ok": all(s["ok"] for s in samples),
+        "seconds": round(sum(s["seconds"] for s in samples), 2),
+        "us_per_iteration": _median([s["us_per_iteration"] for s in samples]),
         "cycle_us_first10": _window(cycles, True),
         "cycle_us_last10": _window(cycles, False),
-        # Medians too: a checkpoint (SQLite) or a page split lands in one window or not.
+        "cycle_us_first100": _window(cycles, True, 100),
+        "cycle_us_last100": _window(cycles, False, 100),
+        # Medians: a checkpoint (SQLite) or a page split lands in one window or not.
         "wchar_first10": _window(written, True),
         "wchar_last10": _window(written, False),
         "write_bytes_first10": _window(disk, True),
         "write_bytes_last10": _window(disk, False),
-        "wchar_mean_first100": sum(written[:100]) / len(written[:100]),
-        "wchar_mean_last100": sum(written[-100:]) / len(written[-100:]),
-        "store_bytes": out["store_bytes"],
+        "wchar_mean_first100": _median([sum(w[:100]) / len(w[:100]) for w in written]),
+        "wchar_mean_last100": _median([sum(w[-100:]) / len(w[-100:]) for w in written]),
+        "store_bytes": _median([s["store_bytes"] for s in samples]),
     }
     entry["time_ratio"] = entry["cycle_us_last10"] / entry["cycle_us_first10"]
-    # The same over 100 iterations: ten samples on a noisy 2-core machine swing by 15%.
-    entry["cycle_us_first100"] = _window(cycles, True, 100)
-    entry["cycle_us_last100"] = _window(cycles, False, 100)
     entry["time_ratio_100"] = entry["cycle_us_last100"] / entry["cycle_us_first100"]
+    entry["rounds_time_ratio"] = [
+        round(_window([c], False) / _window([c], True), 3) for c in cycles
+    ]
+    entry["rounds_time_ratio_100"] = [
+        round(_window([c], False, 100) / _window([c], True, 100), 3) for c in cycles
+    ]
     if entry["wchar_first10"]:
         entry["wchar_ratio"] = entry["wchar_last10"] / entry["wchar_first10"]
+    stored = [s["stored"] for s in samples if s["stored"]]
     if stored:
-        body = stored[1 : n + 1]
-        entry["stored_first10"] = _window(body, True)
-        entry["stored_last10"] = _window(body, False)
+        entry["stored_first10"] = _window(stored, True)
+        entry["stored_last10"] = _window(stored, False)
         entry["stored_ratio"] = entry["stored_last10"] / entry["stored_first10"]
     return entry
 
@@ -574,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=50, help="iterations per overhead run (50)")
     parser.add_argument("--rounds", type=int, default=15, help="overhead rounds (15)")
     parser.add_argument("--growth-n", type=int, default=1000)
-    parser.add_argument("--growth-rounds", type=int, default=3)
+    parser.add_argument("--growth-rounds", type=int, default=5)
     parser.add_argument("--growth-contenders", help="comma-separated (default: all)")
     parser.add_argument("--runs", type=int, default=500, help="concurrent runs (500)")
     parser.add_argument("--conc-iterations", type=int, default=5)
