@@ -118,7 +118,7 @@ def measure(iterations: int, directory: Path) -> Row:
     with SqliteEventStore(path) as store:
         start = time.perf_counter()
         for event in events:
-            store.append([event])  # one durable transaction per event, as the kernel does
+            store.append([event])  # one durable transaction per event: the worst case
         elapsed = time.perf_counter() - start
         assert len(store.read(events[0].run_id)) == len(events)
     # Closing the last connection checkpoints the WAL into the main file.

@@ -242,10 +242,11 @@ def _event_sql(d: Dialect) -> tuple[str, str, str, str]:
         f"FROM runs r JOIN events e ON e.key BETWEEN {low} AND {low} + "
         f"{(1 << RUN_KEY_SHIFT) - 1} WHERE r.run_id = {p}"
     )
+    stored = "type, ts, iteration, state, version, data"  # the key holds run and seq (v6)
     return (
-        f"INSERT INTO events (key, {columns}) VALUES ({p}, {values})",
-        f"SELECT e.{columns.replace(', ', ', e.')} {of_run} ORDER BY e.key",
-        f"SELECT COALESCE(MAX(e.seq), 0) + 1 {of_run}",
+        f"INSERT INTO events (key, {stored}) VALUES ({', '.join([p] * 6)}, {d.json_param})",
+        f"SELECT r.run_id, e.key - {low}, e.{stored.replace(', ', ', e.')} {of_run} ORDER BY e.key",
+        f"SELECT COALESCE(MAX(e.key) - {low}, 0) + 1 {of_run}",
         "SELECT 1 FROM events WHERE key = "
         f"(SELECT run_no FROM runs WHERE run_id = {p}) * {1 << RUN_KEY_SHIFT} + {p}",
     )
@@ -651,7 +652,8 @@ class SqlEventStore:
             self._update_runs(cur, job)
 
     def _keyed_rows(self, cur: BatchExecutor, job: PendingAppend) -> list[tuple[Any, ...]]:
-        """`job`'s rows, each with its key, (run_no << RUN_KEY_SHIFT) | seq, in front."""
+        """`job`'s rows keyed by (run_no << RUN_KEY_SHIFT) | seq, which stands for their run_id
+        and seq columns."""
         known, numbers = self._run_nos, job.run_nos
         keyed = []
         for row in job.rows:
@@ -662,7 +664,7 @@ class SqlEventStore:
                 if found is None or found[0] is None:  # pragma: no cover - written just before
                     raise StoreError(f"{self._where}: run {run_id} has no number")
                 number = numbers[run_id] = int(found[0])
-            keyed.append(((number << RUN_KEY_SHIFT) | seq, *row))
+            keyed.append(((number << RUN_KEY_SHIFT) | seq, *row[2:]))
         return keyed
 
     def _update_runs(self, cur: BatchExecutor, job: PendingAppend) -> None:

@@ -545,7 +545,11 @@ def test_a_crash_before_the_question_asks_it_on_resume_without_asking_the_model_
     server.enqueue(tool_reply(wire_call("read_file", {"path": "notes.txt"}, id="c1")))
     run_id = cli(capsys, _run(server, store, workspace, "--json")).json()["run_id"]
     with sqlite3.connect(store) as db:  # as if killed just before the suspension
-        db.execute("DELETE FROM events WHERE run_id = ? AND type = 'run.suspended'", (run_id,))
+        db.execute(
+            "DELETE FROM events WHERE type = 'run.suspended'"
+            " AND key >> 32 = (SELECT run_no FROM runs WHERE run_id = ?)",
+            (run_id,),
+        )
         db.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
     assert _types(store, run_id)[-1] != "run.suspended"
     with_answer = cli(capsys, _resume(store, run_id, "--approve"))

@@ -699,7 +699,7 @@ def test_list_runs_pages_both_ways_with_a_run_id_as_the_cursor(store: AnyEventSt
         store.list_runs(before=ids[0], after=ids[1])
 
 
-@pytest.mark.parametrize("version", [1, 4])
+@pytest.mark.parametrize("version", [1, 4, 5])
 def test_events_recorded_by_an_older_schema_are_read_resumed_and_appended(
     backend: Backend, version: int
 ) -> None:
@@ -709,7 +709,14 @@ def test_events_recorded_by_an_older_schema_are_read_resumed_and_appended(
     _write_old_version(backend, version, extra=[orphan])
 
     with backend.open() as store:
-        assert [e.seq for e in store.read("old")] == [1, 2, 3]
+        old = store.read("old")
+        assert [(e.run_id, e.seq, e.type) for e in old] == [
+            ("old", 1, EventType.RUN_STARTED),
+            ("old", 2, EventType.MODEL_RESPONDED),
+            ("old", 3, EventType.RUN_TERMINATED),
+        ]
+        assert old[1].data["completion"]["usage"]["total_tokens"] == 17
+        assert old[2] == ev("old", 3, EventType.RUN_TERMINATED, data={"reason": "done"})
         assert [e.type for e in store.read("resumed")][-1] is EventType.RUN_RESUMED
         assert store.next_seq("resumed") == 4
         with pytest.raises(StoreConflictError, match="run resumed: seq 3 already exists"):
@@ -769,8 +776,10 @@ def _write_old_version(backend: Backend, version: int, extra: Sequence[Event] = 
     ]
     p = dialect.param
     statements = [dialect.migrations_table]
+    later: list[str] = []  # from v5 on, migrations rework the rows versions 1 to 4 wrote
     for migration in applied:
-        statements += migration.sqlite if dialect is SQLITE else migration.postgres
+        steps = migration.sqlite if dialect is SQLITE else migration.postgres
+        (statements if migration.version <= 4 else later).extend(steps)
     if backend.kind == "sqlite":
         import sqlite3
 
@@ -803,6 +812,8 @@ def _write_old_version(backend: Backend, version: int, extra: Sequence[Event] = 
             )
         if version >= 2:  # as that version's code kept it
             conn.execute("UPDATE runs SET status = 'ended' WHERE termination_reason IS NOT NULL")
+        for statement in later:
+            conn.execute(statement)
     finally:
         conn.close()
 

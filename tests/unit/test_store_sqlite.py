@@ -393,7 +393,7 @@ def test_a_store_extends_its_wal_with_zeros_that_readers_and_recovery_ignore(
     assert data[:4] in (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83")  # SQLite's WAL header
     assert data[-4096:] == bytes(4096)
     other = sqlite3.connect(path)  # another process's connection reads the frames
-    assert [r[0] for r in other.execute("SELECT seq FROM events ORDER BY seq")] == [1, 2, 3]
+    assert [r[0] for r in other.execute("SELECT seq FROM run_events ORDER BY seq")] == [1, 2, 3]
     other.close()
     store.close()
     assert not wal_of(path).exists()  # checkpointed and removed at the last close, as always
@@ -423,7 +423,13 @@ def test_zeros_go_past_the_frames_of_a_wal_in_use_and_nothing_is_lost(
     second.close()
     check = sqlite3.connect(path)
     assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert [r[0] for r in check.execute("SELECT seq FROM events ORDER BY seq")] == [1, 2, 3, 4, 5]
+    assert [r[0] for r in check.execute("SELECT seq FROM run_events ORDER BY seq")] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     check.close()
 
 
@@ -544,7 +550,10 @@ def test_events_are_keyed_by_run_number_and_seq_and_read_through_the_key(
         )
         numbers = dict(conn.execute("SELECT run_id, run_no FROM runs").fetchall())
         assert sorted(numbers.values()) == [1, 2]
-        keys = [k for (k,) in conn.execute("SELECT key FROM events WHERE run_id = 'b'")]
+        keys = [
+            k
+            for (k,) in conn.execute("SELECT key FROM events WHERE key >> 32 = ?", (numbers["b"],))
+        ]
         assert keys == [(numbers["b"] << 32) | s for s in (1, 2, 3)]
         from fsm_kernel.store._sql import SQLITE
 
@@ -561,6 +570,30 @@ def test_events_are_keyed_by_run_number_and_seq_and_read_through_the_key(
         assert other.next_seq("a") == 4
         assert other._conn is not None
         assert other._conn.execute("SELECT run_no FROM runs WHERE run_id = 'c'").fetchone() == (3,)
+
+
+def test_an_event_row_holds_its_run_and_seq_only_in_its_key_and_the_view_shows_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.db"
+    with SqliteEventStore(path) as store:
+        for run in ("a", "b"):
+            store.append(
+                [
+                    Event(**{**ev(1, EventType.RUN_STARTED).__dict__, "run_id": run}),
+                    Event(**{**ev(2).__dict__, "run_id": run}),
+                ]
+            )
+        read = store.read("a") + store.read("b")
+    conn = sqlite3.connect(path)
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
+    assert columns == ["key", "type", "ts", "iteration", "state", "version", "data"]
+    shown = conn.execute(
+        "SELECT run_id, seq, type, iteration, state FROM run_events ORDER BY run_id, seq"
+    ).fetchall()
+    assert shown == [(e.run_id, e.seq, e.type.value, e.iteration, e.state) for e in read]
+    assert [(e.run_id, e.seq) for e in read] == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
+    conn.close()
 
 
 def test_a_seq_past_the_key_range_is_refused_and_nothing_is_written(
