@@ -16,10 +16,12 @@ Four parts (`--parts overhead,growth,concurrency,startup` picks some):
    and wchar, bytes handed to write calls, including closing the store) and the store's size;
    medians of per-round ratios against the floor and each peer. Every run's final
    conversation is checked against the reference.
-2. growth: --growth-rounds (5) runs of --growth-n (1,000) iterations per contender; cycle time
-   (model call to model call) and bytes per iteration at iterations 1-10 against the last 10
-   (the median of each window's iterations of every round, pooled), written (wchar) and stored (the payload each framework stores per iteration; for
-   LangGraph and Burr, checkpoints and writes grouped by step, two steps an iteration).
+2. growth: one run of --growth-n (1,000) iterations per contender sampling the I/O counters at
+   each iteration, then --growth-rounds (5) runs timed by the clock alone; cycle time (model
+   call to model call) and bytes per iteration at iterations 1-10 against the last 10 (the
+   median of each window's iterations of every timed round, pooled), written (wchar) and
+   stored (the payload each framework stores per iteration; for LangGraph and Burr,
+   checkpoints and writes grouped by step, two steps an iteration).
 3. concurrency: --runs (500) runs of --conc-iterations (5) model calls in one process against a
    fake OpenAI server with --latency (50 ms) per request (a separate process: _asyncio_llm.py,
    the test suite's replies from a minimal asyncio server, since the thread-per-connection
@@ -253,16 +255,22 @@ def _window(rounds: Sequence[Sequence[float]], first: bool, size: int = 10) -> f
 
 
 def growth(workers: dict[str, Worker], n: int, rounds: int = 5) -> dict[str, Any]:
-    """Each contender's growth over `rounds` runs (round-robin). A window's figure is the
-    median of that window's iterations in every round, pooled (ten samples of one round swing
-    by 20% on a noisy 2-core machine); each round's own ratios are reported beside it."""
-    per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
+    """Each contender's growth: first one run that samples the I/O counters at every iteration
+    (bytes per iteration), then `rounds` runs timed with nothing but the clock (reading
+    /proc/self/io costs 40-80 µs a time, and how much varies: it put phases of +15% into the
+    cycle times). Rounds go round-robin; the I/O run comes first, so every timed run is a
+    process's second run of that length or later. A window's time is the median of that
+    window's iterations in every timed round, pooled; each round's own ratio is beside it."""
+    sampled = {
+        name: _growth_round(name, worker, n, sample_io=True) for name, worker in workers.items()
+    }
+    timed: dict[str, list[dict[str, Any]]] = {name: [] for name in workers}
     for _ in range(rounds):
         for name, worker in workers.items():
-            per_round[name].append(_growth_round(name, worker, n))
+            timed[name].append(_growth_round(name, worker, n, sample_io=False))
     results: dict[str, Any] = {}
-    for name, samples in per_round.items():
-        entry = results[name] = _growth_entry(name, samples)
+    for name, samples in timed.items():
+        entry = results[name] = _growth_entry(name, samples, sampled[name])
         print(
             f"  growth {name}: x{entry['time_ratio']:.2f} (rounds {entry['rounds_time_ratio']}), "
             f"x{entry['time_ratio_100']:.2f} over 100 (rounds {entry['rounds_time_ratio_100']})",
@@ -271,14 +279,15 @@ def growth(workers: dict[str, Worker], n: int, rounds: int = 5) -> dict[str, Any
     return {"n": n, "rounds": rounds, "contenders": results}
 
 
-def _growth_round(name: str, worker: Worker, n: int) -> dict[str, Any]:
+def _growth_round(name: str, worker: Worker, n: int, *, sample_io: bool) -> dict[str, Any]:
     """One run of `n` iterations: per iteration, its cycle time (µs, model call to model
-    call), bytes handed to write calls, bytes dirtied towards the disk, bytes stored."""
+    call), and with `sample_io` the bytes handed to write calls, dirtied towards the disk and
+    stored."""
     t0 = time.perf_counter()
-    out = worker.ask(n, sample_io=True, stored=True)
+    out = worker.ask(n, sample_io=sample_io, stored=sample_io)
     if "error" in out:
         raise RuntimeError(f"{name}: {out['error']}")
-    calls, io = out["calls"], out["io"]
+    calls, io = out["calls"], out.get("io", [])
     stored = out.get("stored_per_iteration")
     return {
         "ok": out["ok"],
@@ -292,15 +301,16 @@ def _growth_round(name: str, worker: Worker, n: int) -> dict[str, Any]:
     }
 
 
-def _growth_entry(name: str, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    cycles = [s["cycles"] for s in samples]
-    written = [s["written"] for s in samples]
-    disk = [s["disk"] for s in samples]
+def _growth_entry(
+    name: str, timed: Sequence[dict[str, Any]], sampled: dict[str, Any]
+) -> dict[str, Any]:
+    cycles = [s["cycles"] for s in timed]
+    written, disk = [sampled["written"]], [sampled["disk"]]
     entry: dict[str, Any] = {
         "label": LABELS.get(name, name),
-        "history_ok": all(s["ok"] for s in samples),
-        "seconds": round(sum(s["seconds"] for s in samples), 2),
-        "us_per_iteration": _median([s["us_per_iteration"] for s in samples]),
+        "history_ok": sampled["ok"] and all(s["ok"] for s in timed),
+        "seconds": round(sampled["seconds"] + sum(s["seconds"] for s in timed), 2),
+        "us_per_iteration": _median([s["us_per_iteration"] for s in timed]),
         "cycle_us_first10": _window(cycles, True),
         "cycle_us_last10": _window(cycles, False),
         "cycle_us_first100": _window(cycles, True, 100),
@@ -310,9 +320,9 @@ def _growth_entry(name: str, samples: Sequence[dict[str, Any]]) -> dict[str, Any
         "wchar_last10": _window(written, False),
         "write_bytes_first10": _window(disk, True),
         "write_bytes_last10": _window(disk, False),
-        "wchar_mean_first100": _median([sum(w[:100]) / len(w[:100]) for w in written]),
-        "wchar_mean_last100": _median([sum(w[-100:]) / len(w[-100:]) for w in written]),
-        "store_bytes": _median([s["store_bytes"] for s in samples]),
+        "wchar_mean_first100": sum(written[0][:100]) / 100,
+        "wchar_mean_last100": sum(written[0][-100:]) / 100,
+        "store_bytes": sampled["store_bytes"],
     }
     entry["time_ratio"] = entry["cycle_us_last10"] / entry["cycle_us_first10"]
     entry["time_ratio_100"] = entry["cycle_us_last100"] / entry["cycle_us_first100"]
@@ -324,10 +334,9 @@ def _growth_entry(name: str, samples: Sequence[dict[str, Any]]) -> dict[str, Any
     ]
     if entry["wchar_first10"]:
         entry["wchar_ratio"] = entry["wchar_last10"] / entry["wchar_first10"]
-    stored = [s["stored"] for s in samples if s["stored"]]
-    if stored:
-        entry["stored_first10"] = _window(stored, True)
-        entry["stored_last10"] = _window(stored, False)
+    if sampled["stored"]:
+        entry["stored_first10"] = _window([sampled["stored"]], True)
+        entry["stored_last10"] = _window([sampled["stored"]], False)
         entry["stored_ratio"] = entry["stored_last10"] / entry["stored_first10"]
     return entry
 
