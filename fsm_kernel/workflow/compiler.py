@@ -68,7 +68,7 @@ class Machine:
         self.compiled = compiled
         self.ctx = ctx
         self._sm: StateChart[Any] | None = None
-        self._where: tuple[str, bool] = ("", False)
+        self._where: tuple[str, bool]
         self._arrive(start or compiled.spec.initial)
 
     def _arrive(self, state: str) -> None:

@@ -421,6 +421,13 @@ transitions:
 """
 
 
+def _fresh(text: str) -> CompiledWorkflow:
+    """A compiled workflow of its own, whose engine has decided nothing yet (compile_workflow
+    would hand back the one an earlier test, or an earlier pytest session in this process,
+    taught)."""
+    return CompiledWorkflow(load_workflow_text(text))
+
+
 def _sends(monkeypatch: pytest.MonkeyPatch, compiled: CompiledWorkflow) -> list[str]:
     """Record every event the engine is sent through machines of `compiled`."""
     sent: list[str] = []
@@ -437,7 +444,7 @@ def _sends(monkeypatch: pytest.MonkeyPatch, compiled: CompiledWorkflow) -> list[
 def test_a_decision_is_taken_again_only_for_the_same_guard_values(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_a")))
+    compiled = _fresh(LOOP.replace("loopy", "loopy_a"))
     sent = _sends(monkeypatch, compiled)
     calls = _ctx(last_completion=_tool_calls())
     bad = _ctx(last_completion=_tool_calls(), malformed_reason="bad JSON")
@@ -463,7 +470,7 @@ def test_a_decision_is_taken_again_only_for_the_same_guard_values(
 def test_a_taken_decision_leaves_the_machine_as_the_engine_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_b")))
+    compiled = _fresh(LOOP.replace("loopy", "loopy_b"))
     _sends(monkeypatch, compiled)
     for _ in range(2):  # the second pass takes the recorded decisions
         ctx = _ctx(last_completion=_tool_calls())
@@ -528,7 +535,7 @@ def _drive(compiled: CompiledWorkflow, *completions: Completion) -> tuple[Machin
 def test_a_run_of_situations_decided_before_builds_no_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    compiled = compile_workflow(load_workflow_text(PURE))
+    compiled = _fresh(PURE)
     sent, built = _sends(monkeypatch, compiled), _engines(monkeypatch, compiled)
 
     _, first = _drive(compiled, _tool_calls(), _answer())
@@ -544,7 +551,7 @@ def test_a_run_of_situations_decided_before_builds_no_engine(
 def test_an_engine_built_mid_run_starts_where_the_machine_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    compiled = compile_workflow(load_workflow_text(PURE.replace("pure", "pure_b")))
+    compiled = _fresh(PURE.replace("pure", "pure_b"))
     _drive(compiled, _tool_calls(), _answer())
     built = _engines(monkeypatch, compiled)
     ctx = _ctx()
@@ -565,10 +572,42 @@ def test_an_engine_built_mid_run_starts_where_the_machine_is(
     assert (fired.target, fired.final, machine.is_final) == ("end", True, True)
 
 
+def test_an_engine_follows_the_decisions_taken_again_after_it_was_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiled = _fresh(PURE.replace("pure", "pure_c"))
+    _drive(compiled, _tool_calls(), _answer())
+    ctx = _ctx(last_completion=_tool_calls())
+    machine = compiled.instantiate(ctx)
+    machine.step()  # observe -> think, decided before
+    ctx.malformed_reason = "bad JSON"
+    machine.step()  # think -> think: a new situation, so the engine is built
+    ctx.malformed_reason = None
+
+    assert machine.step().target == "act"  # decided before: taken again
+
+    engine = machine._engine()
+    assert engine.current_state_value == machine.state == "act"  # the engine moved with it
+
+
+def test_an_engine_built_for_a_reused_context_starts_where_its_machine_does() -> None:
+    compiled = _fresh(PURE.replace("pure", "pure_d"))
+    ctx = _ctx(last_completion=_tool_calls())
+    first = compiled.instantiate(ctx)
+    first.step()
+    first.step()  # the engine left its state on the context: act
+    again = compiled.instantiate(ctx, start="think")
+    ctx.malformed_reason = "bad JSON"  # not decided before: the engine is built
+
+    fired = again.step()
+
+    assert (fired.source, fired.target) == ("think", "think")
+
+
 def test_a_state_with_a_users_guard_always_asks_the_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    compiled = compile_workflow(load_workflow_text(LOOP.replace("loopy", "loopy_c")))
+    compiled = _fresh(LOOP.replace("loopy", "loopy_c"))
     sent = _sends(monkeypatch, compiled)
     GUARD_CALLS.clear()
 
