@@ -30,3 +30,13 @@ def _restore_logging() -> Iterator[None]:
     saved = (list(logger.handlers), logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture(autouse=True)
+def _compile_afresh() -> None:
+    """Each test compiles its workflows itself: the compile cache also holds what the engine
+    decided (CompiledWorkflow.decisions), which must not carry over from one test to the next,
+    and a mutation tester that forks after a first pass must run the compiler it mutated."""
+    from fsm_kernel.workflow import compiler
+
+    compiler._CACHE.clear()

@@ -3,6 +3,8 @@ hand-made RunContext values, guard errors, the compile cache, and NoTransitionEr
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "workflows" / "default.yaml"
 
 GUARD_CALLS: list[str] = []
+GUARD_THREADS: list[int] = []
 
 
 def exploding_guard(ctx: RunContext) -> bool:
@@ -32,6 +35,7 @@ def exploding_guard(ctx: RunContext) -> bool:
 
 def counting_guard(ctx: RunContext) -> bool:
     GUARD_CALLS.append(ctx.current_state)
+    GUARD_THREADS.append(threading.get_ident())
     return bool(ctx.scratch.get("go"))
 
 
@@ -602,6 +606,46 @@ def test_an_engine_built_for_a_reused_context_starts_where_its_machine_does() ->
     fired = again.step()
 
     assert (fired.source, fired.target) == ("think", "think")
+
+
+def test_a_users_guard_is_run_off_the_event_loops_thread_and_built_in_ones_on_it() -> None:
+    users, built_in = (
+        _fresh(LOOP.replace("loopy", "loopy_t")),
+        _fresh(PURE.replace("pure", "pure_t")),
+    )
+    GUARD_THREADS.clear()
+
+    fired = asyncio.run(users.instantiate(_ctx(scratch={"go": True}), start="act").advance())
+
+    assert fired.target == "think"
+    assert len(GUARD_THREADS) == 1
+    assert GUARD_THREADS[0] != threading.get_ident()  # a slow guard cannot block the loop
+    assert users.user_guards
+    assert not built_in.user_guards  # nothing of the user's to wait for: no thread hand-off
+
+
+def test_workflows_of_one_name_and_different_content_get_engine_classes_of_their_own() -> None:
+    one = _fresh(PURE.replace("pure", "my-flow_x"))
+    other = _fresh(PURE.replace("pure", "my-flow_x") + "# the same machine, said again\n")
+
+    assert one.machine_class.__name__ == f"MyFlowX_{one.spec.content_hash[:12]}"
+    assert other.machine_class.__name__ != one.machine_class.__name__
+
+
+def test_workflows_built_in_code_are_compiled_once_per_content() -> None:
+    spec = load_workflow_text(PURE.replace("pure", "inline_a"))
+    built = [WorkflowSpec.model_validate(spec.model_dump()) for _ in range(2)]
+    longer = WorkflowSpec.model_validate(
+        {**spec.model_dump(), "limits": {**spec.limits.model_dump(), "max_iterations": 99}}
+    )
+    assert built[0].content_hash == ""  # no file, no text: nothing to hash
+
+    first, again, other = (compile_workflow(s) for s in (*built, longer))
+
+    assert first is again
+    assert other is not first
+    assert other.spec.limits.max_iterations == 99
+    assert first.machine_class.__name__.endswith("_inline")
 
 
 def test_a_state_with_a_users_guard_always_asks_the_engine(
