@@ -33,10 +33,14 @@ def _restore_logging() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _compile_afresh() -> None:
-    """Each test compiles its workflows itself: the compile cache also holds what the engine
-    decided (CompiledWorkflow.decisions), which must not carry over from one test to the next,
-    and a mutation tester that forks after a first pass must run the compiler it mutated."""
+def _built_afresh() -> None:
+    """Each test builds its compiled workflows and SQL statements itself. The compile cache
+    also holds what the engine decided (CompiledWorkflow.decisions), which must not carry over
+    from one test to the next; and a mutation tester that forks after a first pass must run
+    the compiler and the statement builders it mutated, not what the first pass left."""
+    from fsm_kernel.store import _sql
     from fsm_kernel.workflow import compiler
 
     compiler._CACHE.clear()
+    for dialect in (_sql.SQLITE, _sql.POSTGRES):
+        dialect.__dict__.pop("sql", None)  # a cached_property: built again on first use
