@@ -2,7 +2,7 @@
 """fsm-kernel against LangGraph and Apache Burr on the same agent loop, in one run.
 
     pip install -e '.[bench]'
-    python benchmarks/compare.py [--json results.json]          # the full run, ~3-4 minutes
+    python benchmarks/compare.py [--json results.json]          # the full run, ~5-6 minutes
     python benchmarks/compare.py --quick                         # a smoke run, ~30 seconds
     python benchmarks/compare.py --pg-dsn postgresql://...       # adds fsm-kernel on PostgreSQL
     python benchmarks/compare.py --pg                            # ... on a throwaway cluster
@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: 5 rounds, growth over 200, 100 concurrent runs",
+        help="a smoke run: 5 rounds, growth over 200 (2 timed runs), 100 concurrent runs",
     )
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
@@ -627,13 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with throwaway_postgres() as dsn:
             return main([*(argv if argv is not None else sys.argv[1:]), "--pg-dsn", dsn])
     if args.quick:
-        args.rounds, args.growth_n, args.runs, args.conc_rounds, args.startup_runs = (
-            5,
-            200,
-            100,
-            1,
-            3,
-        )
+        args.rounds, args.growth_n, args.growth_rounds = 5, 200, 2
+        args.runs, args.conc_rounds, args.startup_runs = 100, 1, 3
     parts = set(args.parts.split(","))
     names = list(LABELS) if args.contenders is None else args.contenders.split(",")
     if not args.pg_dsn:
