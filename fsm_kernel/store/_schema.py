@@ -19,9 +19,11 @@ __all__ = [
     "AMBIGUOUS_SHOWN",
     "COMPONENT",
     "ENDED",
+    "EVENT_SEQ",
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
     "RUNNING",
+    "RUN_EVENTS",
     "RUN_KEY_SHIFT",
     "RUN_SUSPENDED",
     "SCHEMA_VERSION",
@@ -211,8 +213,13 @@ index of 36-character run ids that grows a level deeper as the log grows: about 
 pages per commit, and no deeper with the run's length. Each run gets its number (run_no) when
 its row is created."""
 
-_KEY_RANGE = 1 << RUN_KEY_SHIFT
-_RUN_KEYS = f"r.run_no * {_KEY_RANGE} AND r.run_no * {_KEY_RANGE} + {_KEY_RANGE - 1}"
+_RUN_LOW = f"r.run_no * {1 << RUN_KEY_SHIFT}"
+RUN_EVENTS = (
+    f"runs r JOIN events e ON e.key BETWEEN {_RUN_LOW} AND {_RUN_LOW} + {(1 << RUN_KEY_SHIFT) - 1}"
+)
+"""Each run's events (SQLite, v5 on; aliases r and e): the keys in its number's range."""
+EVENT_SEQ = f"e.key - {_RUN_LOW}"
+"""An event's seq, from its key (SQLite, v6 on: the row holds no seq of its own)."""
 _SQLITE_COMPACT = (
     """CREATE TABLE events_compact (
         key       INTEGER PRIMARY KEY,
@@ -228,10 +235,9 @@ _SQLITE_COMPACT = (
     "DROP TABLE events",
     "ALTER TABLE events_compact RENAME TO events",
     f"""CREATE VIEW run_events AS
-        SELECT r.run_id AS run_id, e.key - r.run_no * {_KEY_RANGE} AS seq, e.type AS type,
-               e.ts AS ts, e.iteration AS iteration, e.state AS state, e.version AS version,
-               e.data AS data
-        FROM runs r JOIN events e ON e.key BETWEEN {_RUN_KEYS}""",
+        SELECT r.run_id AS run_id, {EVENT_SEQ} AS seq, e.type AS type, e.ts AS ts,
+               e.iteration AS iteration, e.state AS state, e.version AS version, e.data AS data
+        FROM {RUN_EVENTS}""",
 )
 """v6 (SQLite only): an event's row no longer repeats its run's id and its seq, which its key
 holds already: about a quarter of an iteration's bytes (13 events × 38 bytes). The view

@@ -24,7 +24,9 @@ from fsm_kernel.protocol import Event, RunFilter, RunSummary
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
+    EVENT_SEQ,
     POSTGRES_MIGRATIONS_TABLE,
+    RUN_EVENTS,
     RUN_KEY_SHIFT,
     SQLITE_MIGRATIONS_TABLE,
     SUMMARY_STATUSES,
@@ -228,25 +230,24 @@ def _event_sql(d: Dialect) -> tuple[str, str, str, str]:
     keyed by (run_no << RUN_KEY_SHIFT) | seq and found through the run's number, or by
     (run_id, seq)."""
     p = d.param
-    columns = "run_id, seq, type, ts, iteration, state, version, data"
-    values = f"{p}, {p}, {p}, {p}, {p}, {p}, {p}, {d.json_param}"
+    stored = "type, ts, iteration, state, version, data"
+
+    def marks(n: int) -> str:  # n plain parameters, then the JSON one (data)
+        return ", ".join([p] * n + [d.json_param])
+
     if not d.keyed_events:
+        columns = f"run_id, seq, {stored}"
         return (
-            f"INSERT INTO events ({columns}) VALUES ({values})",
+            f"INSERT INTO events ({columns}) VALUES ({marks(7)})",
             f"SELECT {columns} FROM events WHERE run_id = {p} ORDER BY seq",
             f"SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = {p}",
             f"SELECT 1 FROM events WHERE run_id = {p} AND seq = {p}",
         )
-    low = f"r.run_no * {1 << RUN_KEY_SHIFT}"
-    of_run = (
-        f"FROM runs r JOIN events e ON e.key BETWEEN {low} AND {low} + "
-        f"{(1 << RUN_KEY_SHIFT) - 1} WHERE r.run_id = {p}"
-    )
-    stored = "type, ts, iteration, state, version, data"  # the key holds run and seq (v6)
+    of_run = f"FROM {RUN_EVENTS} WHERE r.run_id = {p}"  # the key holds run and seq (v6)
     return (
-        f"INSERT INTO events (key, {stored}) VALUES ({', '.join([p] * 6)}, {d.json_param})",
-        f"SELECT r.run_id, e.key - {low}, e.{stored.replace(', ', ', e.')} {of_run} ORDER BY e.key",
-        f"SELECT COALESCE(MAX(e.key) - {low}, 0) + 1 {of_run}",
+        f"INSERT INTO events (key, {stored}) VALUES ({marks(6)})",
+        f"SELECT r.run_id, {EVENT_SEQ}, e.{stored.replace(', ', ', e.')} {of_run} ORDER BY e.key",
+        f"SELECT COALESCE(MAX({EVENT_SEQ}), 0) + 1 {of_run}",
         "SELECT 1 FROM events WHERE key = "
         f"(SELECT run_no FROM runs WHERE run_id = {p}) * {1 << RUN_KEY_SHIFT} + {p}",
     )
