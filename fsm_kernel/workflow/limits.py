@@ -14,7 +14,13 @@ from fsm_kernel.protocol import Usage
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.spec import TerminationReason
 
-__all__ = ["LimitHit", "budget_exceeded", "limit_reached", "tokens_used"]
+__all__ = ["MAX_CALL_DEPTH", "LimitHit", "budget_exceeded", "limit_reached", "tokens_used"]
+
+MAX_CALL_DEPTH = 32
+"""How deep `workflow.call`/`workflow.map` may nest: a run started by a chain of this many
+calling workflows (the top run at depth 0) may not start another child. `validate` rejects a
+chain of files that would go deeper, and the runtime refuses such a child as a failure of the
+calling state (catchable, routed like any other child failure)."""
 
 
 @dataclass(frozen=True)
