@@ -42,9 +42,9 @@ def register(sub: Any) -> None:
     p = rsub.add_parser(
         "list",
         help="recent runs: id, workflow, start, iterations, status, goal",
-        description="Recent runs, newest first. STATUS is running (in flight, or killed: "
-        "resume it), waiting (for a person: resume it with the answer), or the reason the "
-        "run ended.",
+        description="Recent runs, newest first. STATUS is running (a process drives it now), "
+        "interrupted (its process died before it ended: resume it), waiting (for a person: "
+        "resume it with the answer), or the reason the run ended.",
     )
     p.add_argument(
         "--waiting",
@@ -141,9 +141,10 @@ def register(sub: Any) -> None:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from fsm_kernel.cli.commands import open_event_store
+    """The store, read-only: these commands only read (a missing store is an error, exit 2)."""
+    from fsm_kernel.store import open_store
 
-    return open_event_store(args.store)
+    return open_store(args.store or default_store_location(), read_only=True)
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -216,7 +217,7 @@ def _child_tree(store: EventStore, events: list[Event], seen: set[str]) -> list[
             audit = _audit(child_events)
             node.update(
                 workflow=audit["workflow"],
-                status=audit["status"],
+                status=_status(store, child_id, audit),
                 reason=audit["reason"],
                 answer=audit["answer"],
                 iterations=max(c.iteration for c in child_events),
@@ -224,6 +225,13 @@ def _child_tree(store: EventStore, events: list[Event], seen: set[str]) -> list[
             )
         tree.append(node)
     return tree
+
+
+def _status(store: Any, run_id: str, audit: dict[str, Any]) -> str:
+    """running only while a process drives the run (holds its lock); else interrupted."""
+    if audit["status"] == "running" and not store.is_running(run_id):
+        return "interrupted"
+    return str(audit["status"])
 
 
 def _print_tree(nodes: list[dict[str, Any]], depth: int = 1) -> None:
@@ -285,8 +293,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         run_id = store.find_run(args.run_id)
         events = store.read(run_id)
         children = _child_tree(store, events, {run_id})
+        audit = _audit(events)
+        audit["status"] = _status(store, run_id, audit)
     iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
-    audit = _audit(events)
     if args.json:
         print(
             json.dumps(
@@ -323,6 +332,8 @@ def _print_audit(run_id: str, audit: dict[str, Any]) -> None:
         print(
             f"  answer with:     fsm-kernel resume {run_id} {_answer_flags(audit['waiting_for'])}"
         )
+    elif audit["status"] == "interrupted":
+        print("  status:          interrupted (its process stopped before the run ended)")
     else:
         print(f"  reason:          {audit['reason'] or '(not terminated: resume it)'}")
     for answered in audit["answers"]:

@@ -16,12 +16,15 @@ from fsm_kernel.errors import StoreLocationError
 from fsm_kernel.redact import redact, register_url_password
 from fsm_kernel.store._schema import (
     ENDED,
+    INTERRUPTED,
     RUN_SUSPENDED,
     RUNNING,
+    SHORT_ID_LENGTH,
     WAITING,
     status_after,
     tokens_of,
 )
+from fsm_kernel.store._sql import OlderSchemaError
 from fsm_kernel.store.jsonl import JsonlEventStore, export_run, import_events
 from fsm_kernel.store.postgres import PostgresEventStore
 from fsm_kernel.store.sqlite import SqliteEventStore
@@ -29,8 +32,10 @@ from fsm_kernel.store.sqlite import SqliteEventStore
 __all__ = [
     "ACCEPTED_STORE_LOCATIONS",
     "ENDED",
+    "INTERRUPTED",
     "RUNNING",
     "RUN_SUSPENDED",
+    "SHORT_ID_LENGTH",
     "WAITING",
     "AnyEventStore",
     "JsonlEventStore",
@@ -116,17 +121,44 @@ def _refused(shown: str) -> StoreLocationError:
     return StoreLocationError(f"unsupported store location {shown}: use {ACCEPTED_STORE_LOCATIONS}")
 
 
-def open_store(location: str | Path) -> AnyEventStore:
+def open_store(location: str | Path, *, read_only: bool = False) -> AnyEventStore:
     """Open (creating if needed) the event store at `location` (see `parse_store_location`).
 
+    `read_only`, for commands that only read (`runs list`, `replay`, the viewer): a store file
+    must exist, and is opened read-only, so a mistyped location creates neither folders nor
+    an empty store. The one write such an open may make is the upgrade of a SQLite store
+    written by an older fsm-kernel, which this code could not read otherwise. (A PostgreSQL
+    database is opened as for writing: it exists, or connecting fails.)
+
     Raises:
-        StoreLocationError: `location` names no backend; nothing is created.
+        StoreLocationError: `location` names no backend, or (`read_only`) no store is there;
+            nothing is created.
         StoreError: the store cannot be opened (StoreSchemaError: its schema is too new).
         ImportError: a PostgreSQL URL without psycopg installed.
     """
     where = parse_store_location(location)
     if where.backend == "postgres":
         return PostgresEventStore(where.target)
+    if read_only:
+        return _open_read_only(where)
     if where.backend == "jsonl":
         return JsonlEventStore(where.target)
     return SqliteEventStore(where.target)
+
+
+def _open_read_only(where: StoreLocation) -> SqliteEventStore | JsonlEventStore:
+    path = Path(where.target).expanduser()
+    if str(path) == ":memory:":
+        raise StoreLocationError("an in-memory store has nothing to read")
+    if not path.exists():
+        raise StoreLocationError(
+            f"no event store at {redact(str(path))}: no run was recorded there (check "
+            "--store or FSM_KERNEL_STORE)"
+        )
+    if where.backend == "jsonl":
+        return JsonlEventStore(path, read_only=True)
+    try:
+        return SqliteEventStore(path, read_only=True)
+    except OlderSchemaError:
+        SqliteEventStore(path).close()  # brings it to this code's schema
+    return SqliteEventStore(path, read_only=True)

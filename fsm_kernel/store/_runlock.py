@@ -10,6 +10,8 @@ import errno
 import fcntl
 import hashlib
 import os
+import struct
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +25,9 @@ RUN_LOCKS_SUFFIX = ".locks"
 """The run lock sidecar of a file store: `<store path>.locks`, created by the first lock_run."""
 _FILE_LOCK_BITS = 62  # a byte offset: offset + 1 must still fit a signed 64-bit off_t
 _LOCK_BUSY = frozenset({errno.EACCES, errno.EAGAIN})  # POSIX allows either for a held lock
+_FLOCK_LAYOUTS = {"linux": "@hhqqi", "darwin": "@qqihh"}
+"""struct flock as F_GETLK reads it: l_type, l_whence, l_start, l_len, l_pid on Linux;
+l_start, l_len, l_pid, l_type, l_whence on macOS (off_t is 64 bits on both)."""
 
 
 def run_lock_key(run_id: str, *, bits: int) -> int:
@@ -79,6 +84,31 @@ class RunLockFile:
             with _held_guard:
                 self._release(offset)
 
+    def is_held(self, run_id: str) -> bool:
+        """True when some process (this one included) holds `run_id`'s lock now. Asks the
+        kernel (F_GETLK) without taking the lock, so it never makes a holder-to-be fail; opens
+        the lock file read-only and creates nothing. A platform whose `struct flock` is not
+        known here answers True (a live run is never shown as interrupted)."""
+        offset = run_lock_key(run_id, bits=_FILE_LOCK_BITS)
+        with _held_guard:  # no lock_run may open the file (and be dropped by our close) meanwhile
+            entry = _held.get(self._key)
+            if entry is not None and offset in entry.offsets:
+                return True
+            if self.path is None:
+                return False
+            if entry is not None and entry.fd is not None:
+                return _someone_holds(entry.fd, offset)
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return False  # no run was ever locked in this store
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot open the run lock file: {exc}") from exc
+            try:
+                return _someone_holds(fd, offset)
+            finally:
+                os.close(fd)  # this process holds no lock in the file (no entry): none dropped
+
     def _acquire(self, run_id: str, offset: int) -> None:
         entry = _held.get(self._key) or _HeldLocks(fd=self._open())
         if offset in entry.offsets:
@@ -115,3 +145,22 @@ class RunLockFile:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot open the run lock file: {exc}") from exc
+
+
+def _someone_holds(fd: int, offset: int) -> bool:
+    """Whether another process holds a record lock on byte `offset` of `fd`'s file (F_GETLK:
+    nothing is locked by asking)."""
+    layout = _FLOCK_LAYOUTS.get(sys.platform)
+    if layout is None:
+        return True
+    fields = {"type": fcntl.F_WRLCK, "whence": os.SEEK_SET, "start": offset, "len": 1, "pid": 0}
+    order = ("type", "whence", "start", "len", "pid")
+    if sys.platform == "darwin":
+        order = ("start", "len", "pid", "type", "whence")
+    query = struct.pack(layout, *(fields[name] for name in order))
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
+    except OSError:
+        return True
+    kind = dict(zip(order, struct.unpack(layout, answer), strict=True))["type"]
+    return bool(kind != fcntl.F_UNLCK)

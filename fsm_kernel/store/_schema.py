@@ -20,6 +20,7 @@ __all__ = [
     "COMPONENT",
     "ENDED",
     "EVENT_SEQ",
+    "INTERRUPTED",
     "MIGRATIONS",
     "POSTGRES_MIGRATIONS_TABLE",
     "RUNNING",
@@ -27,6 +28,7 @@ __all__ = [
     "RUN_KEY_SHIFT",
     "RUN_SUSPENDED",
     "SCHEMA_VERSION",
+    "SHORT_ID_LENGTH",
     "SQLITE_MIGRATIONS_TABLE",
     "SUMMARY_STATUSES",
     "WAITING",
@@ -45,6 +47,7 @@ __all__ = [
     "status_after",
     "summarize_batch",
     "tokens_of",
+    "unique_prefix",
 ]
 
 COMPONENT = "events"
@@ -357,7 +360,11 @@ RUNNING = "running"
 WAITING = "waiting"
 ENDED = "ended"
 SUMMARY_STATUSES = frozenset({RUNNING, WAITING, ENDED})
-"""The values of RunSummary.status (and the runs table's status column)."""
+"""The values of the runs table's status column."""
+INTERRUPTED = "interrupted"
+"""RunSummary.status of a run recorded as running whose lock no process holds: the process
+driving it died (killed, crashed, the machine stopped). Decided when read, never stored:
+a resume makes it `running` again."""
 RUN_SUSPENDED = "run.suspended"
 """The event a run that waits for a person (an approval, an input) ends its log with. Compared
 by its value: the status of a run is read the same way whichever code wrote the log."""
@@ -540,6 +547,34 @@ def clean_prefix(prefix: str) -> str:
     if not cleaned:
         raise RunNotFoundError("no run id given", run_id=prefix)
     return cleaned
+
+
+SHORT_ID_LENGTH = 8
+"""The fewest characters of a run id shown where the full id would not fit."""
+
+
+def unique_prefix(
+    run_id: str, before: str | None, after: str | None, *, at_least: int = SHORT_ID_LENGTH
+) -> str:
+    """The shortest prefix of `run_id` (at least `at_least` characters, never ending in `-`)
+    that no other stored id starts with, given its neighbours in byte order (`before` and
+    `after`, None at either end): every other id shares less with it than they do."""
+    shared = max(_common_length(run_id, before), _common_length(run_id, after))
+    length = max(at_least, shared + 1)
+    while length < len(run_id) and run_id[length - 1] == "-":
+        length += 1
+    return run_id[:length]
+
+
+def _common_length(a: str, b: str | None) -> int:
+    if b is None:
+        return 0
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def resolve_run(prefix: str, matches: Sequence[str]) -> str:

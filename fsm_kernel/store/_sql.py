@@ -25,9 +25,11 @@ from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
     COMPONENT,
     EVENT_SEQ,
+    INTERRUPTED,
     POSTGRES_MIGRATIONS_TABLE,
     RUN_EVENTS,
     RUN_KEY_SHIFT,
+    RUNNING,
     SQLITE_MIGRATIONS_TABLE,
     SUMMARY_STATUSES,
     WAITING,
@@ -44,6 +46,7 @@ from fsm_kernel.store._schema import (
     plan_migrations,
     resolve_run,
     summarize_batch,
+    unique_prefix,
 )
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "BatchExecutor",
     "Dialect",
     "Executor",
+    "OlderSchemaError",
     "PendingAppend",
     "Rows",
     "SqlEventStore",
@@ -151,6 +155,12 @@ class Statements:
     select_cursor: str
     """A run's place in the newest-first order: (started_at, run_id)."""
     select_prefix: str
+    select_before: str
+    """The greatest run id below one, in byte order."""
+    select_after: str
+    """The least run id above one, in byte order."""
+    select_running: str
+    """The ids of the runs recorded as running (each is running or interrupted)."""
     event_exists: str
     """1 if the event (run_id, seq) is stored."""
     select_run_no: str
@@ -220,6 +230,15 @@ ON CONFLICT (run_id) DO UPDATE SET
             f"SELECT run_id FROM runs WHERE {d.first_chars.format(p)} = {p} "
             f"ORDER BY run_id{d.byte_order} LIMIT {p}"
         ),
+        select_before=(
+            f"SELECT run_id FROM runs WHERE run_id{d.byte_order} < {p} "
+            f"ORDER BY run_id{d.byte_order} DESC LIMIT 1"
+        ),
+        select_after=(
+            f"SELECT run_id FROM runs WHERE run_id{d.byte_order} > {p} "
+            f"ORDER BY run_id{d.byte_order} LIMIT 1"
+        ),
+        select_running=f"SELECT run_id FROM runs WHERE status = '{RUNNING}'",
         select_migrations=f"SELECT version, name FROM schema_migrations WHERE component = {p}",
         insert_migration=f"INSERT INTO schema_migrations VALUES ({p}, {p}, {p}, {p})",
     )
@@ -382,8 +401,12 @@ def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
     )
 
 
-def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
-    """The WHERE clause (with a leading space; "" for none) and parameters of a filter."""
+def runs_where(
+    d: Dialect, where: RunFilter | None, live: Sequence[str] = ()
+) -> tuple[str, list[Any]]:
+    """The WHERE clause (with a leading space; "" for none) and parameters of a filter.
+    `live`: the runs recorded as running whose lock is held, which a status of `running` keeps
+    and one of `interrupted` leaves out (see is_running)."""
     if where is None:
         return "", []
     p = d.param
@@ -394,7 +417,15 @@ def runs_where(d: Dialect, where: RunFilter | None) -> tuple[str, list[Any]]:
     if where.workflow:
         clauses.append(f"workflow = {p}")
         params.append(where.workflow)
-    if where.status in SUMMARY_STATUSES:
+    if where.status in (RUNNING, INTERRUPTED):
+        clauses.append(f"status = '{RUNNING}'")
+        marks = ", ".join(p for _ in live)
+        if where.status == RUNNING:
+            clauses.append(f"run_id IN ({marks})" if live else "1 = 0")
+        elif live:
+            clauses.append(f"run_id NOT IN ({marks})")
+        params += list(live)
+    elif where.status in SUMMARY_STATUSES:
         clauses.append(f"status = {p}")
         params.append(where.status)
     elif where.status:  # a termination reason: only an ended run has one (a resume clears it)
@@ -414,11 +445,12 @@ def runs_query(
     cursor: tuple[Any, str] | None,
     older: bool,
     limit: int,
+    live: Sequence[str] = (),
 ) -> tuple[str, list[Any]]:
     """A page of runs: newest first, or, for the page before `cursor` (`older` False), oldest
     first from it (the caller turns it round). Keyset paging on runs_started_at and its
     siblings per filter, so a page deep in 100,000 runs costs what the first one does."""
-    sql, params = runs_where(d, where)
+    sql, params = runs_where(d, where, live)
     if cursor is not None:
         op = "<" if older else ">"
         keyset = f"(started_at, run_id) {op} ({d.param}, {d.param})"
@@ -452,6 +484,11 @@ class PendingAppend:
     run_nos: dict[str, int] = field(default_factory=dict)
     """The numbers of the runs this append created or looked up (keyed_events), kept by the
     store once committed."""
+
+
+class OlderSchemaError(StoreSchemaError):
+    """A store opened read-only was written by an older fsm-kernel: it needs its migrations
+    (which only a read-write open applies) before this code can read it."""
 
 
 class SqlEventStore:
@@ -711,17 +748,51 @@ class SqlEventStore:
         if before is not None or after is not None:
             cursor = self._cursor(str(before if before is not None else after))
         sql, params = runs_query(
-            self._dialect, where, cursor=cursor, older=after is None, limit=limit
+            self._dialect,
+            where,
+            cursor=cursor,
+            older=after is None,
+            limit=limit,
+            live=self._live_runs(where),
         )
         rows = self._query(sql, params, what="list_runs failed")
-        runs = [row_summary(self._dialect, row) for row in rows]
+        runs = [self._shown(row_summary(self._dialect, row)) for row in rows]
         return runs if after is None else runs[::-1]
 
     def count_runs(self, *, where: RunFilter | None = None) -> int:
         """How many runs `where` keeps."""
-        sql, params = runs_where(self._dialect, where)
+        sql, params = runs_where(self._dialect, where, self._live_runs(where))
         rows = self._query(f"SELECT COUNT(*) FROM runs{sql}", params, what="count_runs failed")
         return int(rows[0][0])
+
+    def is_running(self, run_id: str) -> bool:
+        """True while a process holds the run's lock, i.e. drives it (see lock_run). A run
+        recorded as running whose lock is free is `interrupted`: its process died."""
+        raise NotImplementedError
+
+    def _shown(self, run: RunSummary) -> RunSummary:
+        """The summary with `interrupted` for a run recorded as running that nothing drives."""
+        if run.status == RUNNING and not self.is_running(run.run_id):
+            return replace(run, status=INTERRUPTED)
+        return run
+
+    def _live_runs(self, where: RunFilter | None) -> list[str]:
+        """The runs recorded as running that are running now, when `where` tells running
+        ones from interrupted ones (else none are looked up)."""
+        if where is None or where.status not in (RUNNING, INTERRUPTED):
+            return []
+        sql = self._dialect.sql.select_running
+        rows = self._query(sql, (), what="list_runs failed")
+        return [row[0] for row in rows if self.is_running(row[0])]
+
+    def short_id(self, run_id: str) -> str:
+        """The shortest prefix of `run_id` (8 characters at least) that names it alone among
+        the stored runs (see unique_prefix): what to show where the full id does not fit."""
+        before = self._query(self._dialect.sql.select_before, (run_id,), what="short_id failed")
+        after = self._query(self._dialect.sql.select_after, (run_id,), what="short_id failed")
+        return unique_prefix(
+            run_id, before[0][0] if before else None, after[0][0] if after else None
+        )
 
     def _cursor(self, run_id: str) -> tuple[Any, str]:
         rows = self._query(self._dialect.sql.select_cursor, (run_id,), what="list_runs failed")
@@ -768,9 +839,9 @@ class SqlEventStore:
         except StoreError as exc:
             raise StoreSchemaError(f"{self._where}: not an fsm-kernel event store ({exc})") from exc
         if plan_migrations(dict(rows), where=self._where):
-            raise StoreSchemaError(
+            raise OlderSchemaError(
                 f"{self._where}: the event store was written by an older fsm-kernel; open it "
-                "once read-write (any fsm-kernel command, e.g. `fsm-kernel runs list`) to "
+                "once read-write (any fsm-kernel command that runs, resumes or lists runs) to "
                 "upgrade it"
             )
 

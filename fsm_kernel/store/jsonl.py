@@ -36,6 +36,8 @@ from fsm_kernel.redact import redact_data
 from fsm_kernel.store._runlock import RUN_LOCKS_SUFFIX, RunLockFile
 from fsm_kernel.store._schema import (
     AMBIGUOUS_SHOWN,
+    INTERRUPTED,
+    RUNNING,
     SUMMARY_STATUSES,
     WAITING,
     check_events,
@@ -46,6 +48,7 @@ from fsm_kernel.store._schema import (
     parse_ts,
     resolve_run,
     summarize_batch,
+    unique_prefix,
 )
 from fsm_kernel.store._synccost import SyncCost
 
@@ -70,12 +73,15 @@ class JsonlEventStore:
 
     Several stores (threads or processes) may share a file: every call first reads what others
     appended since, and appends hold an exclusive flock. Local filesystems only.
+
+    With `read_only=True` the file must exist; it is opened read-only and appends fail.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path).expanduser()
+        self.read_only = read_only
         self._lock = threading.Lock()
-        self._fd: int | None = _open(self.path)
+        self._fd: int | None = _open_read_only(self.path) if read_only else _open(self.path)
         self._offset = 0
         self._lineno = 0
         self._torn = False
@@ -119,6 +125,7 @@ class JsonlEventStore:
         prepared = self._prepare(events)
         if prepared is None:
             return
+        self._writable()
         with self._lock, self._flocked(fcntl.LOCK_EX):
             self._append_locked(prepared, durable=durable)
 
@@ -138,6 +145,7 @@ class JsonlEventStore:
         prepared = self._prepare(events)
         if prepared is None:
             return True
+        self._writable()
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -155,6 +163,10 @@ class JsonlEventStore:
         finally:
             self._lock.release()
         return True
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.path}: the event store is open read-only")
 
     def _prepare(self, events: Sequence[Event]) -> _Prepared | None:
         batch = list(events)
@@ -215,7 +227,7 @@ class JsonlEventStore:
             where = replace(where or RunFilter(), status=WAITING)
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
-            runs = [r for r in self._runs.values() if _keeps(where, r)]
+            runs = [r for r in map(self._shown, self._runs.values()) if _keeps(where, r)]
             cursor = before if before is not None else after
             if cursor is not None and cursor not in self._runs:
                 raise RunNotFoundError(f"no run with id {cursor!r}", run_id=cursor)
@@ -232,7 +244,27 @@ class JsonlEventStore:
         """How many runs `where` keeps."""
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
-            return sum(1 for r in self._runs.values() if _keeps(where, r))
+            return sum(1 for r in map(self._shown, self._runs.values()) if _keeps(where, r))
+
+    def is_running(self, run_id: str) -> bool:
+        """True while a process holds the run's lock (see lock_run); creates no file."""
+        self._live()
+        return self._run_locks.is_held(run_id)
+
+    def _shown(self, run: RunSummary) -> RunSummary:
+        """The summary with `interrupted` for a run recorded as running that nothing drives."""
+        if run.status == RUNNING and not self._run_locks.is_held(run.run_id):
+            return replace(run, status=INTERRUPTED)
+        return run
+
+    def short_id(self, run_id: str) -> str:
+        """The shortest prefix of `run_id` (8 characters at least) that names it alone among
+        the stored runs (see unique_prefix)."""
+        with self._lock, self._flocked(fcntl.LOCK_SH):
+            self._catch_up()
+            before = max((r for r in self._runs if r < run_id), default=None)
+            after = min((r for r in self._runs if r > run_id), default=None)
+        return unique_prefix(run_id, before, after)
 
     def find_run(self, prefix: str) -> str:
         """The full id of the run `prefix` names (a full id or a unique prefix of one).
@@ -412,9 +444,10 @@ def _keeps(where: RunFilter | None, run: RunSummary) -> bool:
         return False
     if where.top_level and run.parent_run_id is not None:
         return False
-    if where.status in SUMMARY_STATUSES and run.status != where.status:
+    statuses = (*SUMMARY_STATUSES, INTERRUPTED)
+    if where.status in statuses and run.status != where.status:
         return False
-    if where.status not in SUMMARY_STATUSES and where.status:
+    if where.status not in statuses and where.status:
         if run.termination_reason != where.status:  # only an ended run has one
             return False
     if where.text:
@@ -441,6 +474,15 @@ def _open(path: Path) -> int:
     except OSError as exc:
         raise StoreError(f"{path}: cannot open event log: {exc}") from exc
     return fd
+
+
+def _open_read_only(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: no such event store") from None
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open event log: {exc}") from exc
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -31,6 +31,13 @@ _INSTALL_HINT = "pip install 'fsm-kernel[postgres]'"
 _MIGRATION_LOCK_KEY = 0x66736D6B
 _RUN_LOCK_BITS = 63  # advisory lock keys are signed bigints: stay non-negative
 _CONNECT_TIMEOUT_S = 10
+_HELD_SQL = (
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid::text::bigint = %s AND objid::text::bigint = %s AND objsubid = 1)"
+)
+"""Whether a bigint advisory lock is held: pg_locks splits its key into classid (the high 32
+bits) and objid (the low ones), objsubid 1."""
 
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 _PASSWORD_IN_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
@@ -96,6 +103,13 @@ class PostgresEventStore(SqlEventStore):
                 self._advisory_unlock(conn, run_id, key)
         finally:
             conn.close()
+
+    def is_running(self, run_id: str) -> bool:
+        """True while some session holds the run's advisory lock (see lock_run), as pg_locks
+        shows it: asking takes no lock, so it never makes a resume fail."""
+        key = run_lock_key(run_id, bits=_RUN_LOCK_BITS)
+        rows = self._query(_HELD_SQL, (key >> 32, key & 0xFFFFFFFF), what="is_running failed")
+        return bool(rows and rows[0][0])
 
     def close(self) -> None:
         """Close the connection (idempotent)."""

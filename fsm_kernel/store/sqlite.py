@@ -97,6 +97,12 @@ class SqliteEventStore(SqlEventStore):
             raise StoreError(f"{self.path}: event store is closed")
         return self._run_locks.hold(run_id)
 
+    def is_running(self, run_id: str) -> bool:
+        """True while a process holds the run's lock (see lock_run); creates no file."""
+        if self._conn is None:
+            raise StoreError(f"{self.path}: event store is closed")
+        return self._run_locks.is_held(run_id)
+
     def append_if_idle(self, events: Sequence[Event], *, durable: bool = False) -> bool:
         """`append(events, durable=durable)` done at once on the calling thread when it cannot
         wait: no other append of this store holds or waits for the connection and no other

@@ -19,7 +19,7 @@ import uvicorn
 from fsm_kernel.config import default_store_location
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.redact import register_secret
-from fsm_kernel.store import AnyEventStore, SqliteEventStore, open_store, parse_store_location
+from fsm_kernel.store import AnyEventStore, open_store
 from fsm_kernel.ui._app import create_app
 from fsm_kernel.ui._dispatches import DispatchReader
 from fsm_kernel.ui._reader import UiReader
@@ -158,13 +158,9 @@ def open_viewer(config: ViewerConfig) -> Viewer:
 
 
 def open_event_store(location: str) -> AnyEventStore:
-    """The event store for reading: SQLite read-only (created and brought to this code's
-    schema first, by one short write, when it needs it), the others as they are."""
-    where = parse_store_location(location)
-    if where.backend != "sqlite":
-        return open_store(location)
-    open_store(location).close()  # creates it, or migrates a store written by older code
-    return SqliteEventStore(where.target, read_only=True)
+    """The event store for reading (see open_store's `read_only`): a viewer started on a
+    mistyped location says so, rather than serve an empty store it created."""
+    return open_store(location, read_only=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:

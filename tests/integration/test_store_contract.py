@@ -604,7 +604,9 @@ def responded(run_id: str, seq: int, usage: dict[str, int]) -> Event:
 
 def test_summaries_carry_tokens_status_and_last_change(store: AnyEventStore) -> None:
     store.append([started("r")])
-    assert store.list_runs()[0].status == "running"
+    with store.lock_run("r"):  # a process drives it
+        assert store.list_runs()[0].status == "running"
+    assert store.list_runs()[0].status == "interrupted"  # none does: it died
     store.append([responded("r", 2, {"prompt_tokens": 10, "completion_tokens": 5})])
     store.append([responded("r", 3, {"total_tokens": 7}), ev("r", 4)])  # no split: the total
     store.append([ev("r", 5, EventType.RUN_TERMINATED, data={"reason": "agent_error"})])
@@ -614,8 +616,9 @@ def test_summaries_carry_tokens_status_and_last_change(store: AnyEventStore) -> 
     assert run.shown_status == "agent_error"
     assert run.updated_at == T0 + timedelta(seconds=5)
 
-    store.append([ev("r", 6, EventType.RUN_RESUMED, data={})])  # a resume reopens it
-    (run,) = store.list_runs()
+    with store.lock_run("r"):
+        store.append([ev("r", 6, EventType.RUN_RESUMED, data={})])  # a resume reopens it
+        (run,) = store.list_runs()
     assert (run.status, run.termination_reason, run.tokens) == ("running", None, 22)
     store.append([ev("r", 7, EventType.RUN_TERMINATED, data={"reason": "done"})])
     assert store.list_runs()[0].shown_status == "done"
@@ -648,7 +651,14 @@ def test_list_runs_filters_by_workflow_status_and_text(store: AnyEventStore) -> 
     ended = RunFilter(status="ended", workflow="react")
     assert ids_of(store.list_runs(where=ended)) == ["run-6", "run-0"]
     running = RunFilter(status="running", workflow="default")
-    assert ids_of(store.list_runs(where=running)) == ["run-7", "run-5", "run-1"]
+    interrupted = RunFilter(status="interrupted", workflow="default")
+    assert ids_of(store.list_runs(where=interrupted)) == ["run-7", "run-5", "run-1"]
+    assert store.list_runs(where=running) == []
+    with store.lock_run("run-5"), store.lock_run("run-1"):  # their processes live
+        assert ids_of(store.list_runs(where=running)) == ["run-5", "run-1"]
+        assert ids_of(store.list_runs(where=interrupted)) == ["run-7"]
+        assert (store.count_runs(where=running), store.count_runs(where=interrupted)) == (2, 1)
+        assert store.list_runs(where=interrupted)[0].shown_status == "interrupted"
     assert ids_of(store.list_runs(where=RunFilter(text="50% file"))) == ["run-4"]  # any case
     assert ids_of(store.list_runs(where=RunFilter(text="RUN-8"))) == ["run-8"]  # the id too
     assert store.list_runs(where=RunFilter(text="5_%")) == []  # no wildcards of its own
@@ -746,7 +756,7 @@ def test_runs_recorded_by_an_older_schema_get_tokens_and_status(
         assert (runs["old"].tokens, runs["old"].status, runs["old"].shown_status) == (
             17, "ended", "done"
         )  # fmt: skip
-        assert (runs["live"].tokens, runs["live"].status) == (0, "running")
+        assert (runs["live"].tokens, runs["live"].status) == (0, "interrupted")  # no process
         store.append([responded("live", 3, {"prompt_tokens": 2, "completion_tokens": 1})])
         assert {r.run_id: r.tokens for r in store.list_runs()}["live"] == 3
         assert ids_of(store.list_runs(where=RunFilter(status="done"))) == ["old"]

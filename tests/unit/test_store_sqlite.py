@@ -292,7 +292,7 @@ def test_an_iterations_progress_updates_the_runs_row_without_touching_its_indexe
     runs_writes = [s.split()[0] for s in statements if "runs" in s and "SELECT" not in s]
     assert runs_writes == ["UPDATE", "UPDATE"]  # not the upsert that names status, reason
     [summary] = store.list_runs()
-    assert (summary.iterations, summary.tokens, summary.status) == (1, 7, "running")
+    assert (summary.iterations, summary.tokens, summary.status) == (1, 7, "interrupted")
     assert summary.updated_at == T0 + timedelta(seconds=3)
     statements.clear()
     store.append([ev(4, EventType.RUN_TERMINATED, iteration=1, data={"reason": "done"})])
