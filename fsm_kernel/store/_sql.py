@@ -837,6 +837,8 @@ class SqlEventStore:
         try:
             rows = self._query(sql, (COMPONENT,), what="cannot read the event store schema")
         except StoreError as exc:
+            if "no such table" in str(exc):  # an SQLite database without the schema yet
+                raise OlderSchemaError(f"{self._where}: no event store schema yet") from exc
             raise StoreSchemaError(f"{self._where}: not an fsm-kernel event store ({exc})") from exc
         if plan_migrations(dict(rows), where=self._where):
             raise OlderSchemaError(

@@ -1,7 +1,12 @@
 """Answering a run that waits for a person, from its page: the very `fsm-kernel resume RUN_ID
 --approve | --reject WHY | --input TEXT --by NAME` a person would type, started as a process of
 its own, so the resumed run is recorded like any other, the page follows it live, and stopping
-the viewer does not stop it."""
+the viewer does not stop it.
+
+`Resumes` keeps the answers this viewer started: one question takes one answer (the others get
+409 while it is being resumed), each resume process is waited for on a thread of its own (no
+zombies), and a resume that fails after the page was answered is remembered for the run's page.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,26 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import IO
 
+from fsm_kernel.redact import redact
 from fsm_kernel.workflow.human import default_by
 
-__all__ = ["Answer", "AnswerRejected", "parse_answer", "start_resume"]
+__all__ = ["Answer", "AnswerFailure", "AnswerRejected", "Resumes", "parse_answer"]
 
 _FLAGS = {"approve": "--approve", "reject": "--reject", "input": "--input"}
 _KINDS = {"approve": "approval", "reject": "approval", "input": "input"}
 _SETTLE_SECONDS = 1.5
-"""How long the viewer waits for a resume that fails at once (a usage error, a lock held)."""
+"""How long an answer's request waits for a resume that fails at once (a usage error, a lock
+held), to refuse it with the resume's own error."""
+_ERROR_TAIL_BYTES = 4096
+_MESSAGE_CHARS = 500
+
+StillWaiting = Callable[[str, int], bool]
+"""Whether run `run_id` still waits on the question of seq `seq` (the answer did not take)."""
 
 
 class AnswerRejected(Exception):
@@ -47,6 +60,16 @@ class Answer:
         return [flag] if self.action == "approve" else [f"{flag}={self.text}"]
 
 
+@dataclass(frozen=True)
+class AnswerFailure:
+    """A resume this viewer started for a question that ended in error."""
+
+    seq: int
+    """The question (its `run.suspended` seq) the answer was for."""
+    message: str
+    """The resume's one-line error (redacted)."""
+
+
 def parse_answer(fields: dict[str, str], waiting_kind: str) -> Answer:
     """The answer a form carries, of the kind the run waits for."""
     action = fields.get("action", "")
@@ -60,33 +83,104 @@ def parse_answer(fields: dict[str, str], waiting_kind: str) -> Answer:
     return answer
 
 
-def start_resume(location: str, run_id: str, answer: Answer, *, by: str | None = None) -> None:
-    """Start `fsm-kernel resume` with the answer; return once it runs (or ended well). The store
-    location goes by the environment, never on a command line others can read (`ps`).
+@dataclass
+class _Resume:
+    """One resume process and how it ended (once it has)."""
 
-    Raises:
-        AnswerRejected: the resume refused at once (another resume holds the run, the run no
-            longer waits for this...), with its one-line error.
-    """
+    seq: int
+    process: subprocess.Popen[bytes]
+    errors: IO[bytes]
+    done: threading.Event
+    message: str | None = None
+    """Its error, when it exited with a non-zero code."""
+
+
+class Resumes:
+    """The resumes this viewer started, one per run at a time (see the module docstring)."""
+
+    def __init__(self, still_waiting: StillWaiting) -> None:
+        self._still_waiting = still_waiting
+        self._lock = threading.Lock()
+        self._running: dict[str, _Resume] = {}
+        self._failed: dict[str, AnswerFailure] = {}
+
+    def start(
+        self, location: str, run_id: str, seq: int, answer: Answer, *, by: str | None = None
+    ) -> None:
+        """Start `fsm-kernel resume` with the answer to question `seq`; return once it runs
+        (or ended well). The store location goes by the environment, never on a command line
+        others can read (`ps`).
+
+        Raises:
+            AnswerRejected: an answer from this viewer is being resumed for the run already, or
+                the resume failed at once (another process holds the run, the run no longer
+                waits for this...), with its one-line error.
+        """
+        with self._lock:
+            if run_id in self._running:
+                raise AnswerRejected(
+                    "the run is being answered already (from this viewer): reload the page"
+                )
+            resume = _spawn(location, run_id, seq, answer, by)
+            self._running[run_id] = resume
+            self._failed.pop(run_id, None)
+        threading.Thread(
+            target=self._wait, args=(run_id, resume), name="fsm-kernel-ui-resume", daemon=True
+        ).start()
+        if resume.done.wait(_SETTLE_SECONDS) and resume.message is not None:
+            if self._still_waiting(run_id, seq):
+                with self._lock:
+                    self._failed.pop(run_id, None)  # told now, on the answer's own page
+                raise AnswerRejected(resume.message)
+
+    def failure(self, run_id: str, seq: int) -> AnswerFailure | None:
+        """How the answer this viewer sent to question `seq` of the run failed, if it did."""
+        with self._lock:
+            failed = self._failed.get(run_id)
+        return failed if failed is not None and failed.seq == seq else None
+
+    def _wait(self, run_id: str, resume: _Resume) -> None:
+        """Reap the process and keep its error (a failed answer leaves the run waiting)."""
+        code = resume.process.wait()
+        if code != 0:
+            resume.message = _last_error(resume.errors, code)
+        resume.errors.close()
+        with self._lock:
+            if resume.message is not None:
+                self._failed[run_id] = AnswerFailure(resume.seq, resume.message)
+            del self._running[run_id]
+        resume.done.set()
+
+
+def _spawn(location: str, run_id: str, seq: int, answer: Answer, by: str | None) -> _Resume:
     who = by or f"{default_by()} (fsm-kernel ui)"
     command = [sys.executable, "-m", "fsm_kernel", "resume", run_id, *answer.arguments()]
     command += ["--by", who, "--json"]
     env = {**os.environ, "FSM_KERNEL_STORE": location}
-    with tempfile.TemporaryDirectory(prefix="fsm-kernel-ui-") as tmp:
-        errors = Path(tmp) / "stderr"
-        with errors.open("wb") as err:
-            process = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                start_new_session=True,  # lives on if the viewer stops
-            )
-        deadline = time.monotonic() + _SETTLE_SECONDS
-        while process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if process.returncode == 2:
-            lines = errors.read_text("utf-8", "replace").strip().splitlines()
-            message = lines[-1].removeprefix("error: ") if lines else "resume refused"
-            raise AnswerRejected(message)
+    errors = tempfile.TemporaryFile(prefix="fsm-kernel-ui-")
+    try:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            start_new_session=True,  # lives on if the viewer stops
+        )
+    except OSError as exc:
+        errors.close()
+        raise AnswerRejected(
+            f"cannot start fsm-kernel resume: {exc.strerror or exc}", 500
+        ) from None
+    return _Resume(seq, process, errors, threading.Event())
+
+
+def _last_error(errors: IO[bytes], code: int) -> str:
+    """The resume's last `error:` line (else its last line), redacted and cut short."""
+    errors.seek(0, os.SEEK_END)
+    errors.seek(max(0, errors.tell() - _ERROR_TAIL_BYTES))
+    lines = errors.read().decode("utf-8", "replace").strip().splitlines()
+    chosen = next((line for line in reversed(lines) if line.startswith("error:")), None)
+    message = (chosen or (lines[-1] if lines else "")).removeprefix("error:").strip()
+    message = message or f"fsm-kernel resume exited with code {code}"
+    return redact(message)[:_MESSAGE_CHARS]

@@ -19,6 +19,10 @@ Routes:
 
 A run waiting for a person shows its question in _run_waiting.html with the forms that answer
 it (approve, reject with a reason, or input), posting to `answer_run`.
+
+Every page is a plain (not async) function, so Starlette renders it on its thread pool: a page
+that is slow to read or render (a run with a huge reply) never holds up the event loop, and the
+other pages are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from starlette.staticfiles import StaticFiles
 
 from fsm_kernel.errors import RunNotFoundError, StoreConflictError
 from fsm_kernel.protocol import RunFilter
-from fsm_kernel.ui._answers import AnswerRejected, parse_answer, start_resume
+from fsm_kernel.ui._answers import AnswerRejected, Resumes, parse_answer
 from fsm_kernel.ui._dispatches import group_cycles
 from fsm_kernel.ui._reader import UiReader, status_class, stock_workflows
 from fsm_kernel.ui._security import (
@@ -88,7 +92,8 @@ class Page:
         )
 
 
-def _environment() -> Environment:
+def _environment(reader: UiReader | None = None) -> Environment:
+    """The templates' environment; run ids are shortened as `reader`'s store allows."""
     env = Environment(
         loader=PackageLoader("fsm_kernel.ui", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
@@ -99,7 +104,8 @@ def _environment() -> Environment:
         ts=_ts,
         duration=_duration,
         num=lambda n: f"{int(n or 0):,}",
-        short=lambda run_id: str(run_id)[:8],
+        short=reader.short_id if reader else str,  # the shortest unique prefix of a run id
+        short_dispatch=lambda dispatch_id: str(dispatch_id)[:8],
         pretty=pretty,
         clip=clip,
         status_class=status_class,
@@ -243,10 +249,18 @@ def run_parts(request: Request) -> Response:
 
 def _run_parts(request: Request, view: Any) -> dict[str, str]:
     page = _page(request)
+    failed = None
+    if view.waiting is not None:  # an answer from this viewer that did not take, if any
+        failed = _resumes(request).failure(view.run_id, view.waiting.seq)
     return {
-        name: page.text(request, f"_run_{name}.html", run=view)
+        name: page.text(request, f"_run_{name}.html", run=view, answer_failed=failed)
         for name in ("header", "waiting", "diagram", "timeline")
     }
+
+
+def _resumes(request: Request) -> Resumes:
+    resumes: Resumes = request.app.state.resumes
+    return resumes
 
 
 def run_event(request: Request) -> Response:
@@ -343,7 +357,8 @@ def cancel_dispatch(request: Request, fields: dict[str, str]) -> Response:
 
 def answer_run(request: Request, fields: dict[str, str]) -> Response:
     """Answer the question a run waits on, exactly as `fsm-kernel resume` with the answer does;
-    409 when the run no longer waits on the question the page showed (`seq`)."""
+    409 when the run no longer waits on the question the page showed (`seq`), or another
+    answer to it is being resumed."""
     reader = _reader(request)
     run_id = request.path_params["run_id"]
     try:
@@ -359,7 +374,7 @@ def answer_run(request: Request, fields: dict[str, str]) -> Response:
         return page.html(request, "error.html", 409, message="the store's location is unknown")
     try:
         answer = parse_answer(fields, waiting.kind)
-        start_resume(reader.location, view.run_id, answer)
+        _resumes(request).start(reader.location, view.run_id, waiting.seq, answer)
     except AnswerRejected as exc:
         return page.html(request, "error.html", exc.status, message=str(exc))
     return RedirectResponse(f"/runs/{view.run_id}", status_code=303)
@@ -420,5 +435,6 @@ def create_app(
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.reader = reader
-    app.state.page = Page(_environment(), has_scheduler=reader.dispatches is not None)
+    app.state.page = Page(_environment(reader), has_scheduler=reader.dispatches is not None)
+    app.state.resumes = Resumes(reader.waits_on)
     return Guard(app, guard)

@@ -10,6 +10,7 @@ import html
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,24 +56,45 @@ def load_stock(name: str) -> LoadedWorkflow | None:
 
 
 def load_recorded(
-    path: str | None, name: str | None, content_hash: str | None
+    path: str | None,
+    name: str | None,
+    content_hash: str | None,
+    roots: Sequence[Path] = (),
 ) -> LoadedWorkflow | None:
-    """The workflow a run recorded: its file when it is still there, else the stock workflow
-    of its name; the one whose text has the recorded hash wins."""
-    candidates: list[LoadedWorkflow] = []
-    if path and Path(path).suffix.lower() in _WORKFLOW_SUFFIXES and Path(path).is_file():
-        candidates.append(_read(Path(path)))
-    if name:
-        stock = load_stock(name)
-        if stock is not None:
-            candidates.append(stock)
-    loaded = [c for c in candidates if c.spec is not None]
-    for candidate in loaded:
-        if content_hash and candidate.spec is not None:
-            if candidate.spec.content_hash == content_hash:
-                return candidate
-    found = loaded or candidates
-    return found[0] if found else None
+    """The workflow a run recorded, only as the run used it: the file its `workflow_path`
+    names, when that file lies under one of `roots` (the folders the viewer serves) and its
+    text still has the sha256 the run recorded (`workflow_hash`); else the stock workflow of
+    its name, under the same condition. None when neither is there as the run used it: a
+    store is data, and a path in it must not make the viewer show any file it names."""
+    if not content_hash:
+        return None
+    if path:
+        recorded = _recorded_file(Path(path), content_hash, roots)
+        if recorded is not None:
+            return recorded
+    stock = load_stock(name) if name else None
+    if stock is not None and stock.spec is not None and stock.spec.content_hash == content_hash:
+        return stock
+    return None
+
+
+def _recorded_file(path: Path, content_hash: str, roots: Sequence[Path]) -> LoadedWorkflow | None:
+    """The workflow file at `path` if it is under a root and has the recorded hash."""
+    if path.suffix.lower() not in _WORKFLOW_SUFFIXES:
+        return None
+    try:
+        real = path.resolve(strict=True)
+        if not real.is_file() or not any(real.is_relative_to(r.resolve()) for r in roots):
+            return None
+        with real.open("rb") as f:
+            raw = f.read(_MAX_SOURCE_BYTES + 1)
+    except (OSError, RuntimeError):  # missing, unreadable, a symlink loop
+        return None
+    if hashlib.sha256(raw).hexdigest() != content_hash:
+        return None  # changed since the run, or not the file the run used
+    loaded = _read(real)  # read again: shown only if it is still that text
+    spec = loaded.spec
+    return loaded if spec is not None and spec.content_hash == content_hash else None
 
 
 def _read(path: Path) -> LoadedWorkflow:

@@ -11,14 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from fsm_kernel.diagram import RunOverlay
+from fsm_kernel.errors import StoreError
 from fsm_kernel.protocol import Event, EventType, RunFilter, RunSummary
 from fsm_kernel.redact import redact, redact_data
 from fsm_kernel.scheduler import Dispatch
 from fsm_kernel.store import (
     ENDED,
+    INTERRUPTED,
     RUN_SUSPENDED,
     RUNNING,
     WAITING,
@@ -54,8 +57,8 @@ _LIVE = frozenset({RUNNING, WAITING})
 
 
 def status_class(status: str) -> str:
-    """The CSS class of a status badge: running, waiting, ok, failed or ended."""
-    if status in _LIVE:
+    """The CSS class of a status badge: running, waiting, interrupted, ok, failed or ended."""
+    if status in _LIVE or status == INTERRUPTED:
         return status
     if status in SUCCESS_REASONS:
         return "ok"
@@ -147,7 +150,7 @@ class RunView:
     seq: int
     """The last event's seq: the page asks for a fresh view when the log passes it."""
     status: str
-    """running, waiting, or the termination reason (RunSummary.shown_status)."""
+    """running, interrupted, waiting, or the termination reason (RunSummary.shown_status)."""
     workflow: str
     goal: str
     model: str
@@ -212,12 +215,15 @@ class UiReader:
         dispatches: DispatchReader | None = None,
         *,
         location: str | None = None,
+        roots: Sequence[Path] = (),
     ) -> None:
         self.store = store
         self.dispatches = dispatches
         self.location = location
         """Where `store` is (a POST that writes, such as an answer to a waiting run, opens its
         own read-write store there: this one may be read-only)."""
+        self.roots = tuple(roots)
+        """The folders whose workflow files the viewer may show (see load_recorded)."""
         self.renderer = DiagramRenderer()
         self._started: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -262,6 +268,19 @@ class UiReader:
     def find(self, prefix: str) -> str:
         return self.store.find_run(prefix)
 
+    def short_id(self, run_id: str) -> str:
+        """The shortest prefix (8 characters at least) that names the run alone in the store,
+        as the CLI accepts it; the full id when the store cannot say."""
+        try:
+            return self.store.short_id(str(run_id))
+        except StoreError:
+            return str(run_id)
+
+    def waits_on(self, run_id: str, seq: int) -> bool:
+        """Whether the run still waits for the answer to the question of seq `seq` (its log
+        is still the `run.suspended` of that seq: nothing was recorded after it)."""
+        return self.head(run_id) == seq
+
     def event(self, run_id: str, seq: int) -> Event | None:
         found = next((e for e in self.store.read(run_id) if e.seq == seq), None)
         return None if found is None else _redacted(found)
@@ -286,13 +305,16 @@ class UiReader:
             end = None  # a resume reopened it
         if status == ENDED:
             status = (_text(end.data.get("reason")) if end else None) or ENDED
+        elif status == RUNNING and not self.store.is_running(run_id):
+            status = INTERRUPTED  # no process drives it: it died before the run ended
         suspended = _last(events, RUN_SUSPENDED)
         overlay = RunOverlay.from_events(events)
         current = overlay.last_state if status in _LIVE else None
         loaded = load_recorded(
             _text(started.get("workflow_path")),
             _text(started.get("workflow")),
-            overlay.workflow_hash,
+            overlay.workflow_hash or _text(started.get("workflow_hash")),
+            self.roots,
         )
         diagram = None
         if loaded is not None and loaded.spec is not None:
@@ -369,7 +391,7 @@ class UiReader:
         data = self.started_data(run_id)
         return load_recorded(
             _text(data.get("workflow_path")), _text(data.get("workflow")),
-            _text(data.get("workflow_hash")),
+            _text(data.get("workflow_hash")), self.roots,
         )  # fmt: skip
 
     def stock_workflow(self, name: str) -> LoadedWorkflow | None:
@@ -403,7 +425,7 @@ def _workflow_names(recent: list[RunSummary]) -> list[str]:
 
 
 def _statuses(recent: list[RunSummary]) -> list[str]:
-    """The statuses to filter by: running, waiting, ended (any ending), every built-in
-    reason, and the workflows' own reasons seen lately."""
-    known = [RUNNING, WAITING, ENDED, *(str(r) for r in TERMINATION_REASONS)]
+    """The statuses to filter by: running, interrupted, waiting, ended (any ending), every
+    built-in reason, and the workflows' own reasons seen lately."""
+    known = [RUNNING, INTERRUPTED, WAITING, ENDED, *(str(r) for r in TERMINATION_REASONS)]
     return known + sorted({r.shown_status for r in recent} - set(known))

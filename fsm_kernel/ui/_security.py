@@ -206,6 +206,10 @@ class Guard:
         )
 
     def _token_in_query(self, scope: Scope) -> bool:
+        """A GET with ?token= on a viewer that has a token (one without ignores the parameter:
+        a stale bookmark still opens the page)."""
+        if self.settings.token is None:
+            return False
         return scope.get("method") == "GET" and _query_token(scope) is not None
 
     async def _drop_token_from_url(self, scope: Scope, send: Send) -> None:
@@ -217,7 +221,9 @@ class Guard:
             for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
             if k != TOKEN_PARAM
         ]
-        location = scope.get("path", "/") + (f"?{urlencode(query)}" if query else "")
+        location = _same_site_path(scope.get("path", "/")) + (
+            f"?{urlencode(query)}" if query else ""
+        )
         await send(
             {
                 "type": "http.response.start",
@@ -251,6 +257,13 @@ class Guard:
             logger.debug("traceback", exc_info=True)
             if not started:
                 await _plain(send, 500, "internal error (the viewer's log has one line about it)")
+
+
+def _same_site_path(path: str) -> str:
+    """`path` as a Location that stays on this site: `//host/x` and `/\\host/x` are URLs of
+    another host to a browser (an open redirect), so leading slashes and backslashes become
+    one slash."""
+    return "/" + path.lstrip("/\\")
 
 
 def _host_name(scope: Scope) -> str:

@@ -133,6 +133,7 @@ def open_viewer(config: ViewerConfig) -> Viewer:
         register_secret(os.environ.get(name))
     dispatches = None
     store = config.store
+    roots = [Path.cwd()]  # the folders whose workflow files runs may be shown with
     if config.scheduler is not None:
         from fsm_kernel.scheduler import load_scheduler_config
 
@@ -140,6 +141,7 @@ def open_viewer(config: ViewerConfig) -> Viewer:
         scheduler = load_scheduler_config(path)
         dispatches = DispatchReader(scheduler, path)
         store = store or scheduler.store
+        roots.append(path.resolve().parent)
     store = store or default_store_location()
     events = open_event_store(store)
     try:
@@ -153,7 +155,7 @@ def open_viewer(config: ViewerConfig) -> Viewer:
         cookie_suffix=str(sock.getsockname()[1]),
         secret=secrets.token_bytes(32),
     )
-    app = create_app(UiReader(events, dispatches, location=store), guard)
+    app = create_app(UiReader(events, dispatches, location=store, roots=roots), guard)
     return Viewer(app, sock, config, store)
 
 

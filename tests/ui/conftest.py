@@ -17,6 +17,7 @@ import pytest
 
 import fsm_kernel
 from fsm_kernel.kernel import RunResult
+from fsm_kernel.store import open_store
 from fsm_kernel.ui import Viewer, ViewerConfig, open_viewer
 from tests.fakes.openai_server import FakeOpenAIServer
 
@@ -79,7 +80,10 @@ def echo(text: str) -> str:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
-    return tmp_path / "runs.db"
+    """An empty event store (the viewer opens an existing store only)."""
+    path = tmp_path / "runs.db"
+    open_store(path).close()
+    return path
 
 
 ViewerFactory = Callable[..., Viewer]

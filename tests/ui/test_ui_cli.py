@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fsm_kernel.store import open_store
 from tests.clikit import cli
 from tests.fakes.openai_server import text_reply
 from tests.ui.conftest import record
@@ -50,6 +51,7 @@ def test_bad_arguments_are_one_line_errors(
 def test_a_busy_port_is_a_one_line_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    open_store(tmp_path / "runs.db").close()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -46,8 +46,11 @@ def test_runs_page_lists_runs_newest_first_with_their_summaries(
     rows = table_rows(html)
     assert [run_id for run_id, _ in rows] == [second.run_id, first.run_id]
     (_, newest), (_, oldest) = rows
-    assert newest[:6] == [second.run_id[:8], "default", "max_iterations", "2", "30", newest[5]]
-    assert oldest[:5] == [first.run_id[:8], "default", "final_answer", "2", "30"]
+    with SqliteEventStore(store) as log:  # each id as short as it can be and still unique
+        shown = (log.find_run(newest[0]), log.find_run(oldest[0]))
+    assert shown == (second.run_id, first.run_id)
+    assert newest[1:6] == ["default", "max_iterations", "2", "30", newest[5]]
+    assert oldest[1:5] == ["default", "final_answer", "2", "30"]
     assert (newest[7], oldest[7]) == ("second task", "first task")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", oldest[5])
     assert re.fullmatch(r"\d+ ms|\d+\.\d s", oldest[6])
@@ -219,7 +222,7 @@ def test_reads_never_wait_for_a_writer(store: Path, serve: ViewerFactory) -> Non
 
 @needs_dot
 def test_workflows_page_lists_stock_and_recent_workflows(
-    store: Path, serve: ViewerFactory, tmp_path: Path
+    store: Path, serve: ViewerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     marker = tmp_path / "imported"
     (tmp_path / "ui_marker_tools.py").write_text(
@@ -230,11 +233,11 @@ def test_workflows_page_lists_stock_and_recent_workflows(
     custom = tmp_path / "mine.yaml"
     custom.write_text(
         (Path(__file__).parents[2] / "workflows" / "single_shot.yaml").read_text()
-        .replace("name: single_shot", "name: mine")
+        .replace("name: single_shot", "name: mine") + "\n# tools: [ui_marker_tools:shout]\n"
     )  # fmt: skip
     run = record(store, text_reply("hi"), workflow=str(custom))
     marker.unlink(missing_ok=True)
-    (tmp_path / "mine.yaml").write_text(custom.read_text() + "\n# tools: [ui_marker_tools:shout]\n")
+    monkeypatch.chdir(tmp_path)  # the viewer shows workflow files under its folder
     url = base_url(serve(store=str(store)))
 
     html = get(url, "/workflows").text

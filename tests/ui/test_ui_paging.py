@@ -93,9 +93,10 @@ def filter_pages(client: httpx.Client) -> None:
     both = sorted(set(react) & set(done))
     assert text_of(page, "runs-count") == f"{len(both):,} runs match"
     assert [r for r, _ in table_rows(page)] == newest_first(both[-PAGE:])
-    rows = table_rows(client.get("/?status=running").text)
+    rows = table_rows(client.get("/?status=interrupted").text)  # no process drives them
     assert [r for r, _ in rows] == newest_first(running[-PAGE:])
-    assert {cells[2] for _, cells in rows} == {"running"}
+    assert {cells[2] for _, cells in rows} == {"interrupted"}
+    assert table_rows(client.get("/?status=running").text) == []
     assert {cells[4] for _, cells in rows} == {f"{120 + i % 7}" for i in running[-PAGE:]}
     page = client.get("/?q=task+number+4242").text  # a substring of the goal
     assert [r for r, _ in table_rows(page)] == newest_first([4242, *range(42420, 42430)])
