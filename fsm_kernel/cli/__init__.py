@@ -1,7 +1,10 @@
 """The `fsm-kernel` command: parse, call, print, exit code. The only layer that prints.
 
-Exit codes: 0 the run ended with final_answer or done (or the command succeeded); 1 any other
-termination reason or a runtime failure; 2 bad usage or an invalid workflow/config file.
+Every command exits with one of four codes (EXIT_CODES_HELP, shown in every `--help`):
+0 success; 1 the run did not succeed (it ended with another reason, a replay diverged, or
+something failed at run time); 2 bad input (a flag, a value, a workflow or config file, an
+unknown or ambiguous run id, a run that cannot be resumed as asked); 3 the run waits for a
+person.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,17 +22,39 @@ from fsm_kernel import __version__
 from fsm_kernel.cli.args import check_text_arguments
 from fsm_kernel.cli.terminal import safe_stdio
 from fsm_kernel.errors import (
-    AnswerError,
     ConfigError,
     FsmKernelError,
     MemoryStoreError,
+    ResumeError,
+    RunLockedError,
+    RunNotFoundError,
     ScheduleError,
     WorkflowError,
 )
 
-__all__ = ["UsageError", "main"]
+__all__ = ["EXIT_CODES_HELP", "UsageError", "main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success; 1 the run did not succeed (it ended with a reason other than "
+    "final_answer or done, a replay diverged, or something failed at run time: the model "
+    "server, the store, a run another process holds); 2 bad input (an unknown option, a bad "
+    "value, an invalid workflow or config file, an unknown or ambiguous run or dispatch id, a "
+    "run that cannot be resumed as asked); 3 the run waits for a person (answer it with "
+    "'fsm-kernel resume RUN_ID --approve | --reject WHY | --input TEXT')."
+)
+"""The one table of exit codes, the epilog of every command's --help (and in the README)."""
+
+_BAD_INPUT: tuple[type[FsmKernelError], ...] = (
+    WorkflowError,
+    ConfigError,
+    ScheduleError,
+    MemoryStoreError,
+    RunNotFoundError,
+    ResumeError,  # AnswerError included; RunLockedError is caught before, as a failure
+)
+"""What the user gave is wrong (exit 2): fixing the command line or a file fixes it."""
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -46,6 +72,7 @@ class _Parser(argparse.ArgumentParser):
     the command name; errors are raised for main() to report (as JSON too, under --json)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("epilog", EXIT_CODES_HELP)
         super().__init__(*args, **kwargs)
         # SUPPRESS: a flag given before the command is not reset by the subcommand's parser.
         self.add_argument(
@@ -65,6 +92,45 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]  # argparse's is NoReturn
         raise UsageError(message, self)
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, but an option it does not know is named before an argument it misses
+        (as git and click do): `fsm-kernel --bogus` says `--bogus` is unrecognised, not that
+        COMMAND is required."""
+        try:
+            return super().parse_known_args(args, namespace)
+        except UsageError as exc:
+            if exc.parser is not self or not str(exc).startswith(_REQUIRED):
+                raise
+            unknown = _unknown_options(self, list(sys.argv[1:] if args is None else args))
+            if not unknown:
+                raise
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}", self) from None
+
+
+_REQUIRED = "the following arguments are required"
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _unknown_options(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """The arguments that look like options `parser` does not have (nor abbreviates)."""
+    known = set(parser._option_string_actions)
+    long_names = [option for option in known if option.startswith("--")]
+    unknown = []
+    for arg in args:
+        if arg == "--":
+            break
+        if not arg.startswith("-") or arg == "-" or _NUMBER.match(arg):
+            continue
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            if not any(option.startswith(name) for option in long_names):
+                unknown.append(arg)
+        elif arg[:2] not in known:
+            unknown.append(arg)
+    return unknown
+
 
 def build_parser() -> argparse.ArgumentParser:
     from fsm_kernel.cli import commands
@@ -74,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run agents whose loop is a finite-state machine written in YAML.",
         epilog="Run 'fsm-kernel COMMAND --help' for a command's options. Model server: "
         "FSM_KERNEL_BASE_URL, FSM_KERNEL_MODEL, FSM_KERNEL_API_KEY (or OPENAI_API_KEY); "
-        "event store: FSM_KERNEL_STORE.",
+        f"event store: FSM_KERNEL_STORE. {EXIT_CODES_HELP}",
     )
     parser.add_argument("--version", action="version", version=f"fsm-kernel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -167,27 +233,31 @@ def _call(args: argparse.Namespace) -> int:
     as_json = bool(getattr(args, "json", False))
     try:
         return handler(args)
-    except (WorkflowError, ConfigError, ScheduleError, MemoryStoreError, AnswerError) as exc:
-        if args.debug:
-            raise
-        return _fail(str(exc), EXIT_USAGE, as_json=as_json)
-    except FsmKernelError as exc:
-        if args.debug:
-            raise
-        return _fail(str(exc), EXIT_FAIL, as_json=as_json)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_FAIL, as_json=as_json)
     except BrokenPipeError:
         return EXIT_FAIL
-    except Exception as exc:  # a bug: one line, not a traceback, unless --debug
+    except Exception as exc:
         if args.debug:
             raise
-        logging.getLogger(__name__).debug("internal error", exc_info=True)
-        return _fail(
-            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            EXIT_FAIL,
-            as_json=as_json,
-        )
+        message, code = _failure(exc)
+        return _fail(message, code, as_json=as_json)
+
+
+def _failure(exc: Exception) -> tuple[str, int]:
+    """The one line and the exit code of a command that raised (called while handling it)."""
+    if isinstance(exc, RunLockedError):  # the request is right; another process has the run
+        return str(exc), EXIT_FAIL
+    if isinstance(exc, _BAD_INPUT):
+        return str(exc), EXIT_USAGE
+    if isinstance(exc, FsmKernelError):
+        return str(exc), EXIT_FAIL
+    # a bug: one line, not a traceback, unless --debug
+    logging.getLogger(__name__).debug("internal error", exc_info=True)
+    return (
+        f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+        EXIT_FAIL,
+    )
 
 
 def entry() -> None:  # pragma: no cover - thin wrapper used by `python -m fsm_kernel`

@@ -25,8 +25,9 @@ def register(sub: Any) -> None:
         help="talk with an agent in the terminal, each line a run continuing the last",
         description="Each line you type is a run of WORKFLOW that continues the conversation "
         "so far (recorded as such in the event log); its progress shows on stderr, its answer "
-        "on stdout. !exit, Ctrl-D, or Ctrl-C at the prompt end the chat (exit 0); Ctrl-C "
-        "while a run works stops that run (it ends 'cancelled') and gives the prompt back. "
+        "on stdout (streamed there as it comes when stdout is a terminal). !exit, Ctrl-D, or "
+        "Ctrl-C at the prompt end the chat (exit 0); Ctrl-C while a run works stops that run "
+        "(it ends 'cancelled') and gives the prompt back. "
         "--continue RUN_ID picks up a conversation later.",
     )
     p.add_argument("workflow", metavar="WORKFLOW", nargs="?", default="default")
@@ -55,13 +56,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError("chat talks to a person: it has no --json (use run --continue)")
     spec = load_spec(args.workflow)
     human = TerminalChannel() if interactive(False) else None
+    live = output.live_output(sys.stdout, sys.stderr)
 
     async def go() -> None:
         agent = Agent(
             spec,
             **agent_options(options_from_args(args)),
             store=args.store or default_store_location(),
-            on_event=output.progress_printer(sys.stderr),
+            on_event=live,
             human=human,
             otel=getattr(args, "otel", None),
         )
@@ -82,7 +84,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     return
                 result = await run_cancellable(agent.run(text, continue_from=previous))
                 previous = result.run_id
-                _show(result)
+                live.finish()
+                _show(result, shown=live.shown(result.response))
 
     asyncio.run(go())
     return EXIT_OK
@@ -162,12 +165,13 @@ class _Stdin:
 _stdin = _Stdin()
 
 
-def _show(result: Any) -> None:
+def _show(result: Any, *, shown: bool) -> None:
+    """A run's answer on stdout (unless `shown`: it streamed there), or why there is none."""
     if result.waiting_for is not None:
         print(f"(waiting for a person: fsm-kernel resume {result.run_id} ...)", flush=True)
     elif result.termination_reason == "cancelled":
         print("(cancelled)", file=sys.stderr, flush=True)
-    elif result.response:
+    elif result.response and not shown:
         print(result.response, flush=True)
     if not result.ok and result.error and result.termination_reason != "cancelled":
         print(f"({result.termination_reason}: {result.error})", file=sys.stderr, flush=True)

@@ -147,11 +147,10 @@ def _add_run(sub: Any) -> None:
         help="run a workflow on a prompt",
         description="Run WORKFLOW (a file, or a stock name such as 'default' or 'react') on "
         "the prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
-        "answer, the tool calls and the termination reason to stdout. Exit 0 when the run "
-        "succeeded, 1 when it ended otherwise, 2 for bad input, 3 when it waits for a person "
-        "(a tool that needs approval, a human.input state) and nobody could be asked here "
-        "(--json, or no terminal on stdin): answer with 'fsm-kernel resume RUN_ID --approve | "
-        "--reject WHY | --input TEXT'.",
+        "answer, the tool calls and the termination reason to stdout (on a terminal the "
+        "answer streams there as it comes, and is not printed again). A run that waits for a "
+        "person (a tool that needs approval, a human.input state) asks at the terminal; where "
+        "nobody can be asked (--json, or no terminal on stdin) it exits 3.",
     )
     p.add_argument("workflow", metavar="WORKFLOW")
     p.add_argument(
@@ -242,7 +241,7 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
     from fsm_kernel.config import default_store_location
 
     spec = load_spec(args.workflow) if isinstance(args.workflow, str) else args.workflow
-    watch = None if args.json else output.progress_printer(sys.stderr)
+    live = None if args.json else output.live_output(sys.stdout, sys.stderr)
     by = getattr(args, "by", None)
     human = TerminalChannel(by=by) if interactive(args.json) else None
 
@@ -251,7 +250,7 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
             spec,
             **agent_options(options_from_args(args)),
             store=args.store or default_store_location(),
-            on_event=watch,
+            on_event=live,
             human=human,
             otel=getattr(args, "otel", None),
         )
@@ -259,7 +258,10 @@ def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResu
             return await run_cancellable(start(agent))
 
     result = asyncio.run(go())
-    output.print_result(result, as_json=args.json)
+    if live is not None:
+        live.finish()
+    shown = live is not None and live.shown(result.response)
+    output.print_result(result, as_json=args.json, shown=shown)
     if result.status == "waiting":
         return EXIT_WAITING
     return EXIT_OK if result.ok else EXIT_FAIL

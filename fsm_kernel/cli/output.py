@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from fsm_kernel.protocol import Event, EventType
@@ -26,43 +26,92 @@ def _args(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def progress_printer(stream: TextIO) -> Callable[[Event | TextDelta], None]:
-    """Prints state changes and tool calls as they happen, and the model's text as it streams
-    (on the progress stream: stdout gets the run's final answer only). Of child runs
-    (workflow.call, workflow.map) it shows when each starts and how it ended, from the
-    parent's events: their own steps would interleave (`runs show` has them)."""
-    return _Progress(stream).show
+def live_output(out: TextIO, err: TextIO) -> Progress:
+    """What shows while a run goes: progress lines on `err`, and the model's text as it
+    streams where a person sees it once.
+
+    * stdout a terminal: the text streams onto it, where the answer belongs (as `llm` does);
+      the answer is then not printed again (`Progress.shown`).
+    * stdout a file or a pipe: it gets the whole answer once, at the end, and nothing else
+      the model said (an agent's model also speaks before its tool calls); the text streams
+      with the progress on stderr instead, unless stderr is stdout's own file (`2>&1`), where
+      it would show twice.
+    """
+    if _isatty(out):
+        return Progress(err, text=out, text_is_result=True)
+    if _same_file(out, err):
+        return Progress(err, text=None)
+    return Progress(err, text=err)
 
 
-class _Progress:
-    def __init__(self, stream: TextIO) -> None:
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed, or a stand-in without it
+        return False
+
+
+def _same_file(a: TextIO, b: TextIO) -> bool:
+    """Whether two streams write to the same open file (`2>&1`)."""
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):  # no file behind one (a test's StringIO)
+        return False
+
+
+class Progress:
+    """Prints state changes and tool calls as they happen, and the model's text as it
+    streams (see `live_output`). Of child runs (workflow.call, workflow.map) it shows when
+    each starts and how it ended, from the parent's events: their own steps would interleave
+    (`runs show` has them). Called with every event and text delta of the runs it watches."""
+
+    def __init__(self, stream: TextIO, *, text: TextIO | None, text_is_result: bool = False):
         self.stream = stream
-        self.streaming = False
+        self.text = text
+        self.text_is_result = text_is_result
+        self.indent = "  " if text is stream else ""  # text among progress lines is indented
+        self.streaming = False  # a line of text is open on `text`
+        self.call_text: list[str] = []  # what the latest model call streamed
         self.child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
         self.children = 0  # children still going: text streamed meanwhile is theirs
 
-    def show(self, item: Event | TextDelta) -> None:
+    def __call__(self, item: Event | TextDelta) -> None:
         if isinstance(item, TextDelta):
             self._text(item)
             return
         if not self._follows(item):
             return
+        if item.type == EventType.MODEL_REQUESTED or _restarts(item):
+            self.call_text = []
         line = _progress_line(item)
         if line is None:
             return
-        if self.streaming:
-            self.stream.write("\n")
-            self.streaming = False
+        self.finish()
         print(line, file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        """End the line of streamed text, if one is open."""
+        if self.streaming and self.text is not None:
+            self.text.write("\n")
+            self.text.flush()
+        self.streaming = False
+
+    def shown(self, response: str) -> bool:
+        """Whether `response` is on stdout already: the latest model call streamed it there."""
+        streamed = "".join(self.call_text).strip()
+        return self.text_is_result and bool(streamed) and streamed == response.strip()
 
     def _text(self, delta: TextDelta) -> None:
         if self.children:
             return
+        self.call_text.append(delta.text)
+        if self.text is None:
+            return
         if not self.streaming:
-            self.stream.write("  ")
+            self.text.write(self.indent)
             self.streaming = True
-        self.stream.write(delta.text.replace("\n", "\n  "))
-        self.stream.flush()
+        self.text.write(delta.text.replace("\n", "\n" + self.indent))
+        self.text.flush()
 
     def _follows(self, event: Event) -> bool:
         """Whether the event is of a run it follows (not a child's), counting the children."""
@@ -79,6 +128,11 @@ class _Progress:
         return True
 
 
+def _restarts(event: Event) -> bool:
+    """The model's answer starts again (its stream broke and the request is retried)."""
+    return event.type == EventType.MODEL_NOTICE and event.data.get("kind") == "stream_restarted"
+
+
 def _progress_line(event: Event) -> str | None:
     """The progress line of an event, or None for events progress does not show."""
     data = event.data
@@ -93,7 +147,7 @@ def _progress_line(event: Event) -> str | None:
         return f"  tool {call['name']}({cut(_args(call.get('arguments')), 120)})"
     if event.type == EventType.TOOL_FINISHED and data["result"].get("is_error"):
         return f"  ✗ {data['call']['name']}: {cut(data['result']['content'], 160)}"
-    if event.type == EventType.MODEL_NOTICE and data.get("kind") == "stream_restarted":
+    if _restarts(event):
         return "  (the model's answer restarts: the stream broke and the request is retried)"
     if event.type in (EventType.ACTION_FAILED, EventType.ERROR_CAUGHT):
         return _failure_line(event)
@@ -133,7 +187,11 @@ def _error_text(data: dict[str, Any]) -> str:
     return cut(f"{error.get('type', 'Error')}: {error.get('message', '')}", 160)
 
 
-def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = None) -> None:
+def print_result(
+    result: RunResult, *, as_json: bool, stream: TextIO | None = None, shown: bool = False
+) -> None:
+    """The run's result on stdout: its answer (unless `shown`: streamed there already), the
+    tool calls, how it ended; or one JSON object."""
     out = stream or sys.stdout
     if as_json:
         print(json.dumps(result.to_dict(), ensure_ascii=False), file=out)
@@ -141,7 +199,7 @@ def print_result(result: RunResult, *, as_json: bool, stream: TextIO | None = No
     if result.waiting_for is not None:
         _print_waiting(result, out)
         return
-    if result.response:
+    if result.response and not shown:
         print(result.response, file=out)
     if result.tool_calls:
         print("\ntool calls:", file=out)

@@ -98,7 +98,7 @@ def register(sub: Any) -> None:
         "not be reached or kept failing can be resumed too. A run that waits for a person "
         "(status waiting) needs its answer: --approve or --reject WHY for a tool call, "
         "--input TEXT for a question; each answer is recorded with the time and --by. "
-        "Refused when the workflow file changed, unless --force. Exit codes as for run.",
+        "Refused when the workflow file changed, unless --force.",
     )
     p.add_argument("run_id", metavar="RUN_ID")
     g = p.add_argument_group("answer a run that waits for a person")
@@ -439,6 +439,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     # The run's recorded settings by default; the flags given here override and are recorded.
     overrides = commands.agent_options(commands.options_from_args(args))
     answer = _answer(args)
+    _check_resumable(run, answer)  # the same refusal with an answer or without (exit 2)
     check_answer(run, answer)  # a one-line usage error before anything is built
     store = args.store or default_store_location()
 
@@ -449,6 +450,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return result
 
     return commands.execute(args, go)
+
+
+def _check_resumable(run: RecordedRun, answer: HumanAnswer | None) -> None:
+    """Refuse a run that ended for good before asking whether an answer fits it.
+
+    Raises:
+        ResumeError: the run ended, and not because its model server failed.
+    """
+    from fsm_kernel.errors import ResumeError
+
+    if not run.resumable:
+        reason = run.terminated.data.get("reason") if run.terminated else None
+        nobody = "" if answer is None else f", so it does not wait for a person ({answer.flag})"
+        raise ResumeError(
+            f"run {run.run_id} already terminated ({reason}){nobody}; only a killed run, a run "
+            "that waits for a person, or one that ended because the model server could not be "
+            "reached can be resumed",
+            run_id=run.run_id,
+        )
 
 
 def _settle_dispatch(store: str, result: RunResult) -> None:

@@ -222,7 +222,7 @@ def test_kill_between_iterations_then_resume(tmp_path: Path, servers) -> None:
         _cli("resume", run_id, "--store", str(store)), env=_env(), capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip
-    assert again.returncode == 1
+    assert again.returncode == 2  # bad input: the run cannot be resumed
     assert "already terminated (final_answer)" in again.stderr
     assert "Traceback" not in again.stderr
 
@@ -246,7 +246,7 @@ def test_resume_refuses_a_changed_workflow_unless_forced(tmp_path: Path, servers
         _cli("resume", run_id, "--base-url", second.base_url, "--store", str(store)),
         env=_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert refused.returncode == 1
+    assert refused.returncode == 2  # bad input: resume it with --force
     assert "workflow changed" in refused.stderr
     assert "--force" in refused.stderr
     forced = subprocess.run(

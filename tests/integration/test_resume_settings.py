@@ -130,7 +130,7 @@ def test_a_run_the_server_failed_is_resumed_later_from_its_last_step(
 
     replay = cli(capsys, "replay", run_id, "--store", str(store), "--json")
     assert replay.json()["identical"] is True, replay.out
-    assert cli(capsys, "resume", run_id, "--store", str(store), "--json").code == 1  # finished
+    assert cli(capsys, "resume", run_id, "--store", str(store), "--json").code == 2  # finished
 
 
 def test_a_resume_that_cannot_reach_the_server_leaves_the_run_resumable(
@@ -157,7 +157,7 @@ def test_a_run_the_server_refused_is_final(
 
     refused = cli(capsys, "resume", run_id, "--store", str(store), "--json")
 
-    assert refused.code == 1
+    assert refused.code == 2  # bad input: the run cannot be resumed
     assert "already terminated (agent_error)" in refused.json()["error"]
     assert "resumable" not in cli(capsys, "runs", "show", run_id, "--store", str(store)).out
 
