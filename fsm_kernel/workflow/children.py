@@ -11,6 +11,12 @@ its conversation (one user message), and spends their iterations and tokens from
 limits: a child may use at most the iterations and the time the parent has left, and the
 children of one map share what the parent had left (a `CallPool`), so together they cannot
 spend more either.
+
+A calling state fails (an action error, `error`: its `catch:` may route it, else the run ends
+`error`) before any child is recorded when a map's list is longer than its `max_items`, or when
+the run is already MAX_CALL_DEPTH calls deep (`ChildRunError`); and after its children ended when
+one did not succeed and no edge of the state routes on their outcome (`child_failed` /
+`child_succeeded`): a failure deep in a chain of calls reaches the top, never an empty success.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from fsm_kernel.errors import FsmKernelError
 from fsm_kernel.protocol import EventType, Message, Usage, new_id
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
-from fsm_kernel.workflow.spec import Limits
+from fsm_kernel.workflow.limits import MAX_CALL_DEPTH
+from fsm_kernel.workflow.spec import DEFAULT_MAP_ITEMS, Limits
 
 __all__ = [
     "CALL_ACTIONS",
@@ -35,6 +42,7 @@ __all__ = [
     "CallPool",
     "ChildRequest",
     "ChildResult",
+    "ChildRunError",
     "ChildRunner",
     "bounded_limits",
     "charge_shared_calls",
@@ -63,6 +71,11 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)\}")
 
 class TemplateError(FsmKernelError):
     """An `input:` template or an `items:` path that names nothing in the run."""
+
+
+class ChildRunError(FsmKernelError):
+    """A calling state that failed for its children: a map over its `max_items`, a call past
+    MAX_CALL_DEPTH, or a child that did not succeed where the state does not route on it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +196,9 @@ class CallPool:
 
 _SHARED_CALLS: ContextVar[CallPool | None] = ContextVar("fsm_kernel_shared_calls", default=None)
 """The pool of the map whose child runs in this task (each child is a task of its own)."""
+
+_DEPTH: ContextVar[int] = ContextVar("fsm_kernel_call_depth", default=0)
+"""How many calls deep the run of this task is (0: the run being driven, its children 1, ...)."""
 
 
 def draw_on(pool: CallPool | None) -> None:
@@ -385,14 +401,65 @@ def _shown(result: ChildResult) -> str:
     return f"(failed: {result.reason or 'did not end'}) {why}"
 
 
+def _child_depth(ctx: RunContext) -> int:
+    """The depth the state's children run at; refused past MAX_CALL_DEPTH (the run itself
+    is `_DEPTH` calls deep: 0 for the run being driven)."""
+    depth = _DEPTH.get()
+    if depth >= MAX_CALL_DEPTH:
+        raise ChildRunError(
+            f"state {ctx.current_state!r} cannot start {ctx.state_spec.workflow!r}: this run is "
+            f"already {depth} workflow calls deep, the most calls may nest (MAX_CALL_DEPTH = "
+            f"{MAX_CALL_DEPTH})"
+        )
+    return depth + 1
+
+
+def _check_items(ctx: RunContext, items: Sequence[Any]) -> None:
+    """A map's list fits its `max_items` (default DEFAULT_MAP_ITEMS)."""
+    cap = ctx.state_spec.max_items or DEFAULT_MAP_ITEMS
+    if len(items) > cap:
+        raise ChildRunError(
+            f"state {ctx.current_state!r} was given {len(items):,} items "
+            f"({ctx.state_spec.items}), more than its max_items = {cap:,}: no child was started"
+        )
+
+
+_ERROR_TAIL = 600
+"""The characters of a failed child's error its parent's error quotes (the end: in a chain of
+calls, the root cause is last)."""
+
+
+def _fail_unrouted(ctx: RunContext, results: Sequence[ChildResult]) -> None:
+    """Fail the state when a child did not succeed and no edge of the state routes on the
+    children's outcome: a failure is never passed off as the parent's success."""
+    failed = [r for r in results if not r.ok]
+    if not failed or ctx.state_spec.routes_child_outcome:
+        return
+    first = min(failed, key=lambda r: r.reason in (None, "cancelled"))  # a cause, not a casualty
+    why = first.error or first.answer or "no answer"
+    if len(why) > _ERROR_TAIL:
+        why = "…" + why[-_ERROR_TAIL:]
+    count = f"{len(failed)} of {len(results)} children" if len(results) > 1 else "its child"
+    raise ChildRunError(
+        f"state {ctx.current_state!r}: {count} did not succeed and no edge of the state routes "
+        f"child_failed; the child run {first.run_id} ({first.workflow}) ended "
+        f"{first.reason or 'without a reason'}: {why}"
+    )
+
+
 async def workflow_call(ctx: RunContext) -> None:
     """Run the state's `workflow:` as a child run on the `input:` template (default the goal);
     its answer becomes the parent's (where `answer` is true) and joins the conversation."""
+    depth = _child_depth(ctx)
     prompt = render(ctx.state_spec.input or "{goal}", ctx)
     run_id = _next_child_id(ctx)
     _started(ctx, run_id, prompt, None)
     await ctx.flush()
-    result = await _runner(ctx).run(_request(ctx, run_id, prompt))
+    deeper = _DEPTH.set(depth)
+    try:
+        result = await _runner(ctx).run(_request(ctx, run_id, prompt))
+    finally:
+        _DEPTH.reset(deeper)
     await _finished(ctx, result, None)
     _absorb(ctx, [result])
     _wait_for(ctx, [result])
@@ -403,6 +470,7 @@ async def workflow_call(ctx: RunContext) -> None:
         f"It answered: {_shown(result)}"
     )
     ctx.add_message(message)
+    _fail_unrouted(ctx, [result])
 
 
 async def workflow_map(ctx: RunContext) -> None:
@@ -410,7 +478,9 @@ async def workflow_map(ctx: RunContext) -> None:
     time; the answers, in item order, join the conversation as one message. A failed item
     cancels the others only with `fail_fast: true`."""
     spec = ctx.state_spec
+    depth = _child_depth(ctx)
     items = _items(ctx, str(spec.items))
+    _check_items(ctx, items)
     template = spec.input or "{item}"
     prompts = [
         render(template, ctx, {"item": item, "index": i + 1}) for i, item in enumerate(items)
@@ -430,6 +500,7 @@ async def workflow_map(ctx: RunContext) -> None:
 
     async def one(i: int) -> None:
         draw_on(pool)  # in this task only: its child's model calls draw on the pool
+        _DEPTH.set(depth)  # and its child runs one call deeper
         async with gate:
             if failed.is_set():  # fail_fast: an earlier item failed before this one began
                 result = _not_started(ids[i], str(spec.workflow))
@@ -473,6 +544,7 @@ async def workflow_map(ctx: RunContext) -> None:
         else f"The workflow {spec.workflow!r} had no items to run (the list was empty)."
     )
     ctx.add_message(message)
+    _fail_unrouted(ctx, ordered)
 
 
 # --- guards --------------------------------------------------------------------------------

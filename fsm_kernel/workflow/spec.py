@@ -24,7 +24,10 @@ from pydantic import (
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
 
 __all__ = [
+    "CHILD_GUARDS",
+    "DEFAULT_MAP_ITEMS",
     "ERROR_KINDS",
+    "MAX_MAP_ITEMS",
     "SUCCESS_REASONS",
     "TERMINATION_REASONS",
     "AgentBlock",
@@ -442,6 +445,13 @@ action raised) or `any` (both). Cancellation, the run's timeout and the kernel's
 
 ERROR_KINDS: tuple[str, ...] = ("agent_error", "error", "any")
 
+DEFAULT_MAP_ITEMS = 100
+"""A `workflow.map`'s `max_items` when the state does not say."""
+MAX_MAP_ITEMS = 10_000
+"""The most `max_items` may be: each item is a run of its own in the event log."""
+CHILD_GUARDS = frozenset({"child_failed", "child_succeeded"})
+"""The built-in guards that read a calling state's children's outcome."""
+
 _ERROR_HELP = (
     "which failures: agent_error (the model server failed after the client's own retries), "
     "error (the action raised anything else) or any (both)"
@@ -590,6 +600,25 @@ class StateSpec(_Model):
         description="For workflow.map: the first failed item cancels the others (default "
         "false: every item runs)",
     )
+    max_items: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_MAP_ITEMS,
+        strict=True,
+        description="For workflow.map: the most items it runs; a longer list fails the state "
+        "before any child is recorded (an error its catch: may route). Default "
+        f"{DEFAULT_MAP_ITEMS}, at most {MAX_MAP_ITEMS:,}",
+    )
+
+    _routes_children: bool = PrivateAttr(default=False)
+
+    @property
+    def routes_child_outcome(self) -> bool:
+        """An edge out of this state is guarded on its children's outcome (`child_failed` or
+        `child_succeeded`, as guard or unless): a failed child is then the workflow's to route;
+        otherwise it fails the state (see workflow.children). Set by the WorkflowSpec holding
+        the state; False for a state on its own."""
+        return self._routes_children
 
 
 class TransitionSpec(_Model):
@@ -712,6 +741,16 @@ class WorkflowSpec(_Model):
     _path: str = PrivateAttr(default="<string>")
     _content_hash: str = PrivateAttr(default="")
     _locations: dict[tuple[Any, ...], SourceLocation] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _mark_child_routing(self) -> WorkflowSpec:
+        """Tell each state whether its edges route on its children's outcome."""
+        routed = {
+            t.source for t in self.transitions if CHILD_GUARDS.intersection((*t.guard, *t.unless))
+        }
+        for sid, state in self.states.items():
+            state._routes_children = sid in routed
+        return self
 
     @property
     def path(self) -> str:

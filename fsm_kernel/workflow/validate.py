@@ -117,7 +117,7 @@ def _check_answer_flags(spec: WorkflowSpec) -> None:
 
 
 _CALL_KEYS = ("workflow", "input")
-_MAP_KEYS = ("items", "max_concurrency", "fail_fast")
+_MAP_KEYS = ("items", "max_concurrency", "fail_fast", "max_items")
 
 
 def _check_children(spec: WorkflowSpec) -> None:

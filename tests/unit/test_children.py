@@ -31,7 +31,7 @@ from fsm_kernel.workflow.children import (
 )
 from fsm_kernel.workflow.context import RunContext, RunServices
 from fsm_kernel.workflow.human import Suspended
-from fsm_kernel.workflow.spec import Limits, StateSpec
+from fsm_kernel.workflow.spec import Limits, StateSpec, TransitionSpec, WorkflowSpec
 
 
 def result(run_id: str, *, ok: bool = True, answer: str = "", **more: Any) -> ChildResult:
@@ -60,14 +60,31 @@ class FakeRunner:
             self.active -= 1
 
 
+def placed(state: StateSpec, *, routed: bool) -> StateSpec:
+    """`state` as the state `work` of a workflow, whose edges route on its children's outcome
+    (`routed`) or not."""
+    edge: dict[str, Any] = {"source": "work", "target": "end", "reason": "final_answer"}
+    edges = [{**edge, "guard": ["child_failed"]}, edge] if routed else [edge]
+    spec = WorkflowSpec(
+        name="parent",
+        initial="work",
+        states={"work": state, "end": StateSpec(final=True)},
+        transitions=[TransitionSpec.model_validate(e) for e in edges],
+    )
+    return spec.states["work"]
+
+
 def context(
     runner: Any,
     *,
     state: StateSpec,
     recorded: tuple[str, ...] = (),
     limits: Limits | None = None,
+    routed: bool = True,
     **values: Any,
 ) -> tuple[RunContext, list[tuple[EventType, dict[str, Any]]]]:
+    """A parent's context in state `work` (by default one that routes `child_failed`)."""
+    state = placed(state, routed=routed)
     events: list[tuple[EventType, dict[str, Any]]] = []
     services = RunServices(
         record=lambda t, d: events.append((t, d)), children=runner, recorded_children=recorded
