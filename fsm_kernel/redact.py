@@ -10,7 +10,14 @@ Two kinds of secret are replaced by `[REDACTED]`:
 
 `redact` takes text, `redact_data` any JSON-like value (dicts, lists, strings; keys stay as
 they are). Both are pure functions of their input and the registry, cheap on text that holds
-no secret (one regex scan), and idempotent.
+no secret (one regex scan), and idempotent. Their work is linear in the size of the text,
+whatever it holds: no pattern starts where a match could not begin or scans back over what an
+earlier attempt scanned, so a model's reply of megabytes (letters and digits without a break,
+say) is redacted in milliseconds, not minutes.
+
+Text that no encoder takes (a lone UTF-16 surrogate such as "\ud800", which a model's JSON
+escape or a tool's output can hold) leaves as U+FFFD instead: a store, a terminal or a log file
+would refuse it, and with it the event that carried it.
 
 The ways out that call it: the model client's errors (at the source), the run recorder (every
 event before it is stored), the CLI's stdout/stderr and log handler, exports and diagrams.
@@ -26,6 +33,8 @@ from urllib.parse import unquote
 
 __all__ = [
     "REDACTED",
+    "REPLACEMENT",
+    "encodable",
     "redact",
     "redact_data",
     "register_secret",
@@ -43,9 +52,16 @@ _PATTERNS = re.compile(
     r"(?P<bearer>(?i:bearer)\s+)[A-Za-z0-9._~+/=-]{6,}"
     r"|(?P<auth>(?i:authorization)\"?\s*[:=]\s*\"?(?:[A-Za-z]+\s+)?)[^\s\"',;]{6,}"
     r"|(?P<sk>\bsk-)[A-Za-z0-9_-]{12,}"
-    r"|(?P<url>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+(?=@)"
+    # A URL's password: matched from the `://` on, whatever scheme precedes it (a scheme matched
+    # too would make every letter of a long word a start that scans to the word's end).
+    r"|(?P<url>://[^\s:/@]*:)[^\s@/]+(?=@)"
     r"|(?P<kw>\bpassword\s*=\s*)(?:'[^']*'|\"[^\"]*\"|[^\s'\"]+)"
 )
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate code point: in a str, always a lone one (JSON's escaped pairs decode to
+the character they encode), which UTF-8 cannot encode."""
+REPLACEMENT = "\ufffd"
 
 _lock = threading.Lock()
 _secrets: tuple[str, ...] = ()
@@ -101,13 +117,23 @@ def _replace(match: re.Match[str]) -> str:
 
 
 def redact(text: str) -> str:
-    """`text` with every registered secret and credential-looking token replaced."""
+    """`text` with every registered secret and credential-looking token replaced (and any lone
+    surrogate, see `encodable`)."""
+    text = encodable(text)
     pattern = _secret_pattern
     if pattern is not None and pattern.search(text):
         text = pattern.sub(REDACTED, text)
     if _PATTERNS.search(text):
         text = _PATTERNS.sub(_replace, text)
     return text
+
+
+def encodable(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, so that it encodes as UTF-8; the same
+    object when it holds none (ASCII text is known to at once)."""
+    if text.isascii() or _LONE_SURROGATE.search(text) is None:
+        return text
+    return _LONE_SURROGATE.sub(REPLACEMENT, text)
 
 
 _LEAVES = frozenset({int, float, bool, type(None)})
@@ -122,8 +148,8 @@ def redact_data(value: Any) -> Any:
         return value
     if isinstance(value, str):
         # Shorter text can hold neither a registered secret nor a credential-looking token
-        # (the shortest, `a://:p@`, is 7 characters): ids, names and numbers skip the scans.
-        return redact(value) if len(value) >= _MIN_SECRET_LENGTH else value
+        # (the shortest, `://:p@`, is 6 characters): ids, names and numbers skip the scans.
+        return redact(value) if len(value) >= _MIN_SECRET_LENGTH else encodable(value)
     if isinstance(value, dict):
         changed: dict[Any, Any] | None = None  # copied at the first value that changes
         for key, item in value.items():

@@ -3,6 +3,7 @@ they appear; everything else passes through untouched (the same object, no copy)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -129,3 +130,45 @@ def test_redact_lines() -> None:
     register_secret("s3cr3t-value")
 
     assert list(redact_lines(["a s3cr3t-value", "b"])) == [f"a {REDACTED}", "b"]
+
+
+_MB = 1_000_000
+_HOSTILE = {
+    # (a megabyte that made a pattern backtrack: minutes, and doubling it quadrupled the time;
+    # then a credential the pattern must still find after it; that credential redacted)
+    "url: one word": ("a" * _MB + " ", "x://u:pw1@h", "x://u:[REDACTED]@h"),
+    "url: letters, digits": ("a1" * (_MB // 2) + " ", "x://u:pw1@h", "x://u:[REDACTED]@h"),
+    "url: schemes": ("a://" * (_MB // 4), "u:pw1@h", "u:[REDACTED]@h"),
+    "url: endless user": ("x://" + "b" * _MB + " ", "x://u:pw1@h", "x://u:[REDACTED]@h"),
+    "url: endless password": ("x://u:" + "p" * _MB, "", ""),
+    "url: colons": ("://" + ":" * _MB, "", ""),
+    "bearer: spaces": ("bearer" + " " * _MB, "tok123456", REDACTED),
+    "auth: spaces": ("authorization" + " " * _MB, ": tok123", ": " + REDACTED),
+    "auth: words": ("authorization: " + "ab " * (_MB // 3), "authorization=t0k123",
+                    "authorization=" + REDACTED),
+    "sk: keys": ("", "sk-" * (_MB // 3), "sk-" + REDACTED),
+    "kw: unclosed quote": ("password='" + "a" * _MB + " ", "password=pw1", "password=" + REDACTED),
+    "kw: spaces": ("password=" + " " * _MB, "pw1", REDACTED),
+    "secret: prefixes": ("local-key-" * (_MB // 10), "local-key-0123456789", REDACTED),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("head", "tail", "redacted"), _HOSTILE.values(), ids=_HOSTILE.keys())
+def test_redaction_is_linear_on_a_megabyte_built_to_make_it_backtrack(
+    head: str, tail: str, redacted: str
+) -> None:
+    register_secret("local-key-0123456789")
+
+    assert redact(head + tail) == head + redacted
+
+
+def test_lone_surrogates_leave_as_the_replacement_character() -> None:
+    """A model's JSON escape or a tool's output may hold a lone surrogate, which UTF-8 cannot
+    encode: a store or a terminal would refuse the event that carries it."""
+    value = {"content": "bad \ud800 text", "short": "\udc80", "fine": "caf\u00e9 \U0001f600"}
+
+    out = redact_data(value)
+
+    assert out == {"content": "bad \ufffd text", "short": "\ufffd", "fine": value["fine"]}
+    assert out["fine"] is value["fine"]  # nothing to repair: the same object
+    json.dumps(out, ensure_ascii=False).encode("utf-8")  # now every way out takes it
