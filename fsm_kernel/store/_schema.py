@@ -455,6 +455,9 @@ class RunDelta:
             return  # bookkeeping: only the times
         self.tokens += tokens_of(event)
         self.status = status_after(event) or self.status
+        # Its model calls so far, as RunResult.iterations counts them: a run that waits for
+        # a person, or ended, in the middle of an iteration has made that iteration's call.
+        self.iterations = max(self.iterations, event.iteration)
         if event.type is EventType.RUN_RESUMED:
             self.termination_reason = None  # the ending it reopens is no longer the run's
         if event.type is EventType.RUN_STARTED:
@@ -463,8 +466,6 @@ class RunDelta:
             parent = event.data.get("parent_run_id")
             self.parent_run_id = str(parent) if parent else None
             self.started_at = event.timestamp
-        elif event.type is EventType.ITERATION_COMPLETED:
-            self.iterations = max(self.iterations, event.iteration)
         elif event.type is EventType.RUN_TERMINATED:
             reason = event.data.get("reason")
             self.termination_reason = None if reason is None else str(reason)
