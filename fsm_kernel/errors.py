@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 __all__ = [
@@ -117,11 +118,20 @@ class ScheduleError(FsmKernelError):
 
 
 class WorkflowError(FsmKernelError):
-    """A workflow file is wrong; `location` says where."""
+    """A workflow file is wrong; `location` says where. A check that found several problems
+    raises the first (in file order) with all of them in `errors`."""
 
-    def __init__(self, message: str, *, location: Any = None) -> None:
+    def __init__(
+        self, message: str, *, location: Any = None, errors: Sequence[WorkflowError] = ()
+    ) -> None:
         super().__init__(message)
         self.location = location
+        self._errors = tuple(errors)
+
+    @property
+    def errors(self) -> list[WorkflowError]:
+        """Every problem found, in file order (this one alone when it was raised by itself)."""
+        return list(self._errors) or [self]
 
     def __str__(self) -> str:
         return f"{self.location}: {self.message}" if self.location else self.message

@@ -27,8 +27,20 @@ def register(sub: Any) -> None:
 
     _add_run(sub)
     chat_cmd.register(sub)
-    p = sub.add_parser("validate", help="check workflow files; prints path: ok or the error")
+    p = sub.add_parser(
+        "validate",
+        help="check workflow files; prints path: ok, or every error as path:line:col: message",
+        description="Check workflow files (paths or stock names) as a run would load them: "
+        "each file's every error is reported, in file order, as path:line:col: message (a "
+        "called workflow's errors at their place in it); exit 2 when any file has one.",
+    )
     p.add_argument("workflows", nargs="+", metavar="WORKFLOW")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document: ok, and per file its path, ok and errors (each with "
+        "file, line, col and message)",
+    )
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser(
         "tools",
@@ -273,25 +285,67 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from fsm_kernel.bootstrap import RunOptions, build_tools, load_spec
-    from fsm_kernel.errors import FsmKernelError
-
-    failed = 0
-    for name in args.workflows:
-        try:
-            spec = load_spec(name)
-            build_tools(spec, RunOptions())
-        except FsmKernelError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            failed += 1
-        else:
-            catches = len(spec.catch_edges())
+    reports = [_validate_file(name) for name in args.workflows]
+    ok = all(r["ok"] for r in reports)
+    if args.json:
+        print(json.dumps({"ok": ok, "files": reports}, ensure_ascii=False))
+        return EXIT_OK if ok else EXIT_USAGE
+    for report in reports:
+        for error in report["errors"]:
+            print(f"error: {error['text']}", file=sys.stderr)
+        if report["ok"]:
+            catches = report["catch_edges"]
             extra = f", {catches} catch edge{'s' if catches != 1 else ''}" if catches else ""
             print(
-                f"{spec.path}: ok ({len(spec.states)} states, {len(spec.transitions)} "
+                f"{report['path']}: ok ({report['states']} states, {report['transitions']} "
                 f"transitions{extra})"
             )
-    return EXIT_USAGE if failed else EXIT_OK
+    return EXIT_OK if ok else EXIT_USAGE
+
+
+def _validate_file(name: str) -> dict[str, Any]:
+    """What `validate` found in one file: every error in file order (those of its tools
+    too), or the size of a valid one. Imports as a run would (load_spec's sys.path)."""
+    from pathlib import Path
+
+    from fsm_kernel.bootstrap import RunOptions, build_tools, resolve_workflow
+    from fsm_kernel.errors import FsmKernelError, WorkflowError, WorkflowValidationError
+    from fsm_kernel.workflow.loader import check_workflow
+    from fsm_kernel.workflow.validate import in_file_order
+
+    try:
+        path = resolve_workflow(name)
+    except WorkflowError as exc:
+        return {"workflow": name, "path": name, "ok": False, "errors": [_error_json(exc, name)]}
+    for folder in (str(Path.cwd()), str(path.resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    check = check_workflow(path)
+    errors = list(check.errors)
+    if check.spec is not None:
+        try:
+            build_tools(check.spec, RunOptions())
+        except WorkflowError as exc:
+            errors.append(exc)
+        except FsmKernelError as exc:
+            errors.append(WorkflowValidationError(exc.message, location=str(path)))
+    found = in_file_order(errors, str(path))
+    report: dict[str, Any] = {"workflow": name, "path": str(path), "ok": not found}
+    report["errors"] = [_error_json(e, str(path)) for e in found]
+    if check.spec is not None and not found:
+        report["states"] = len(check.spec.states)
+        report["transitions"] = len(check.spec.transitions)
+        report["catch_edges"] = len(check.spec.catch_edges())
+    return report
+
+
+def _error_json(error: Any, path: str) -> dict[str, Any]:
+    """One WorkflowError as `validate --json` gives it (`text`: the line the terminal shows;
+    `line` and `col` null for an error of the whole file, such as one that cannot be read)."""
+    loc = error.location
+    line, col = (loc.line, loc.col) if hasattr(loc, "line") else (None, None)
+    file = loc.path if hasattr(loc, "path") else path
+    return {"file": file, "line": line, "col": col, "message": error.message, "text": str(error)}
 
 
 def cmd_tools(args: argparse.Namespace) -> int:

@@ -8,12 +8,17 @@ Every YAML file fsm-kernel reads (workflows here, the scheduler config too) is c
 `compose_yaml`, which refuses documents that would cost far more to load than their size
 suggests: huge files, deep nesting (PyYAML's composer recurses once per level) and alias bombs
 ("billion laughs": a few hundred bytes whose aliases expand to billions of nodes).
+
+`check_workflow` finds every problem of a file, as a compiler does (duplicate keys, every
+schema error pydantic reports, every semantic one, the workflows it calls), in file order;
+`load_workflow` raises the first with all of them attached (`WorkflowError.errors`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,7 +27,7 @@ from pydantic import ValidationError
 from yaml.events import AliasEvent, CollectionStartEvent
 
 from fsm_kernel.config import package_data_dir
-from fsm_kernel.errors import WorkflowSyntaxError, WorkflowValidationError
+from fsm_kernel.errors import WorkflowError, WorkflowSyntaxError, WorkflowValidationError
 from fsm_kernel.workflow.spec import SourceLocation, WorkflowSpec
 
 __all__ = [
@@ -31,7 +36,10 @@ __all__ = [
     "MAX_YAML_DEPTH",
     "MAX_YAML_NODES",
     "StrictBoolLoader",
+    "WorkflowCheck",
     "YamlLimitError",
+    "check_workflow",
+    "check_workflow_text",
     "compose_yaml",
     "find_workflow",
     "load_workflow",
@@ -186,30 +194,47 @@ def _loc(path: str, node: yaml.Node) -> SourceLocation:
     return SourceLocation(path, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-def _to_data(node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations) -> Any:
+def _to_data(
+    node: yaml.Node, path: str, keys: tuple[Any, ...], locs: Locations, errors: list[WorkflowError]
+) -> Any:
+    """Plain data of `node`, recording each node's location; a key that is not a plain name or
+    comes twice is an error in `errors`, and left out (the first of twin keys is kept)."""
     locs[keys] = _loc(path, node)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
             key = StrictBoolLoader(" ").construct_object(key_node)  # a scalar key
+            problem = None
             if not isinstance(key, str | int | float | bool) or key is None:
-                raise WorkflowValidationError(
-                    "keys must be plain names", location=_loc(path, key_node)
-                )
-            if key in out:
-                raise WorkflowValidationError(
-                    f"duplicate key {key!r}", location=_loc(path, key_node)
-                )
-            out[key] = _to_data(value_node, path, (*keys, key), locs)
+                problem = "keys must be plain names"
+            elif key in out:
+                problem = f"duplicate key {key!r}"
+            if problem is not None:
+                errors.append(WorkflowValidationError(problem, location=_loc(path, key_node)))
+                continue
+            out[key] = _to_data(value_node, path, (*keys, key), locs, errors)
             locs[(*keys, key, "<key>")] = _loc(path, key_node)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_to_data(item, path, (*keys, i), locs) for i, item in enumerate(node.value)]
+        return [_to_data(item, path, (*keys, i), locs, errors) for i, item in enumerate(node.value)]
     return StrictBoolLoader(" ").construct_object(node)
 
 
 def parse_yaml_with_locations(text: str, path: str) -> tuple[Any, Locations]:
-    """Parse YAML text; returns plain data and a map from key paths to locations."""
+    """Parse YAML text; returns plain data and a map from key paths to locations.
+
+    Raises:
+        WorkflowSyntaxError: the text is not YAML or breaks a MAX_YAML_* limit.
+        WorkflowValidationError: a key is not a plain name or comes twice (the first such).
+    """
+    errors: list[WorkflowError] = []
+    data, locs = _parse(text, path, errors)
+    if errors:
+        raise errors[0]
+    return data, locs
+
+
+def _parse(text: str, path: str, errors: list[WorkflowError]) -> tuple[Any, Locations]:
     try:
         root = compose_yaml(text)
     except yaml.MarkedYAMLError as exc:
@@ -219,7 +244,7 @@ def parse_yaml_with_locations(text: str, path: str) -> tuple[Any, Locations]:
     locs: Locations = {}
     if root is None:
         return None, locs
-    return _to_data(root, path, (), locs), locs
+    return _to_data(root, path, (), locs, errors), locs
 
 
 def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> WorkflowSyntaxError:
@@ -227,7 +252,9 @@ def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> WorkflowSyntaxError:
     where = SourceLocation(path, mark.line + 1, mark.column + 1) if mark else None
     problem = exc.problem or exc.context or "invalid YAML"
     kind = "YAML limit exceeded" if isinstance(exc, YamlLimitError) else "YAML syntax error"
-    return WorkflowSyntaxError(f"{kind}: {problem}", location=where)
+    error = WorkflowSyntaxError(f"{kind}: {problem}", location=where)
+    error.__cause__ = exc
+    return error
 
 
 def _pydantic_message(err: Any) -> str:
@@ -252,33 +279,94 @@ def _error_location(err: Any, locs: Locations, path: str) -> SourceLocation | st
     return path
 
 
+@dataclass
+class WorkflowCheck:
+    """What checking a workflow found: the spec (None when the file does not even parse into
+    one) and every error, in file order (none: the workflow is valid)."""
+
+    spec: WorkflowSpec | None
+    errors: list[WorkflowError] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def raise_first(self) -> WorkflowSpec:
+        """The spec of a valid workflow; else raise the first error, all of them attached."""
+        if self.errors:
+            first = self.errors[0]
+            if len(self.errors) == 1:
+                raise first
+            raise type(first)(
+                first.message, location=first.location, errors=self.errors
+            ) from first.__cause__
+        assert self.spec is not None  # a check without errors has a spec
+        return self.spec
+
+
+def _pydantic_errors(exc: ValidationError, locs: Locations, path: str) -> list[WorkflowError]:
+    return [
+        WorkflowValidationError(_pydantic_message(err), location=_error_location(err, locs, path))
+        for err in exc.errors()
+    ]
+
+
+def check_workflow_text(
+    text: str, *, path: str = "<string>", import_code: bool = True, calls: bool = True
+) -> WorkflowCheck:
+    """Every problem of a workflow's text, in file order (see check_workflow)."""
+    from fsm_kernel.workflow.validate import in_file_order, workflow_errors
+
+    errors: list[WorkflowError] = []
+    try:
+        data, locs = _parse(text, path, errors)
+    except WorkflowSyntaxError as exc:
+        return WorkflowCheck(None, [exc])
+    if not isinstance(data, dict):
+        where = locs.get((), SourceLocation(path, 1, 1))
+        errors.append(
+            WorkflowValidationError("a workflow must be a mapping of keys", location=where)
+        )
+        return WorkflowCheck(None, in_file_order(errors, path))
+    try:
+        spec = WorkflowSpec.model_validate(data)
+    except ValidationError as exc:
+        return WorkflowCheck(None, in_file_order(errors + _pydantic_errors(exc, locs, path), path))
+    spec._path = path
+    spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
+    spec._locations = locs
+    errors += workflow_errors(spec, import_code=import_code)
+    if calls:
+        from fsm_kernel.workflow.call_chain import call_errors
+
+        errors += call_errors(spec)
+    return WorkflowCheck(spec, in_file_order(errors, path))
+
+
+def check_workflow(
+    path: str | Path, *, import_code: bool = True, calls: bool = True
+) -> WorkflowCheck:
+    """Every problem of a workflow file, in file order, each at its `path:line:col`: what
+    `fsm-kernel validate` reports. Arguments as load_workflow's."""
+    p = Path(path)
+    try:
+        text = read_yaml_file(p)
+    except YamlLimitError as exc:
+        return WorkflowCheck(None, [_syntax_error(exc, str(path))])
+    except FileNotFoundError:
+        return WorkflowCheck(None, [WorkflowValidationError(f"{p}: no such workflow file")])
+    except (OSError, UnicodeDecodeError) as exc:
+        return WorkflowCheck(None, [WorkflowValidationError(f"{p}: cannot read: {exc}")])
+    return check_workflow_text(text, path=str(path), import_code=import_code, calls=calls)
+
+
 def load_workflow_text(
     text: str, *, path: str = "<string>", import_code: bool = True, calls: bool = True
 ) -> WorkflowSpec:
     """Parse and validate a workflow from text (see load_workflow; `calls`: check that the
-    workflows its states call exist and never call it back)."""
-    from fsm_kernel.workflow.validate import validate_workflow
-
-    data, locs = parse_yaml_with_locations(text, path)
-    if not isinstance(data, dict):
-        where = locs.get((), SourceLocation(path, 1, 1))
-        raise WorkflowValidationError("a workflow must be a mapping of keys", location=where)
-    try:
-        spec = WorkflowSpec.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise WorkflowValidationError(
-            _pydantic_message(first), location=_error_location(first, locs, path)
-        ) from None
-    spec._path = path
-    spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
-    spec._locations = locs
-    validate_workflow(spec, import_code=import_code)
-    if calls:
-        from fsm_kernel.workflow.validate import check_calls
-
-        check_calls(spec)
-    return spec
+    workflows its states call exist, are valid, never call it back and nest at most
+    MAX_CALL_DEPTH deep)."""
+    return check_workflow_text(text, path=path, import_code=import_code, calls=calls).raise_first()
 
 
 def load_workflow(
@@ -292,18 +380,10 @@ def load_workflow(
 
     Raises:
         WorkflowSyntaxError: the file is not YAML, or breaks a MAX_YAML_* limit.
-        WorkflowValidationError: the file is not a valid workflow (or cannot be read).
+        WorkflowValidationError: the file is not a valid workflow (or cannot be read). The
+            first problem in file order; `errors` holds every one found.
     """
-    p = Path(path)
-    try:
-        text = read_yaml_file(p)
-    except YamlLimitError as exc:
-        raise _syntax_error(exc, str(path)) from exc
-    except FileNotFoundError:
-        raise WorkflowValidationError(f"{p}: no such workflow file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkflowValidationError(f"{p}: cannot read: {exc}") from None
-    return load_workflow_text(text, path=str(path), import_code=import_code, calls=calls)
+    return check_workflow(path, import_code=import_code, calls=calls).raise_first()
 
 
 def stock_workflow_names() -> list[str]:

@@ -1,28 +1,50 @@
 """Semantic checks of a parsed workflow, each error with the file:line:col of the culprit.
 
+Every independent problem is reported, as a compiler does: each check appends what it finds
+to a list and goes on; a check that needs what an earlier one found broken (the graph needs
+known states) is skipped then, so one typo does not come back as a cascade of others.
+
 Structure (states, targets, reachability, final states), names (reserved by
 python-statemachine, clashing with the machine's one event; the workflow's own termination
 reasons: snake_case, never a built-in's), references (actions, guards, termination reasons),
 `answer: false`, `output:` and `agent:` only where the action calls the model, every `output:`
-a valid JSON Schema or an importable pydantic model, and `retry:`/`catch:` only where there is
-an action (catch targets checked like transition targets). Tool names are checked by the
-kernel, which owns the registry.
+a valid JSON Schema (whose `$ref`s never loop without descending into the value) or an
+importable pydantic model, `retry:`/`catch:` only where there is an action (catch targets
+checked like transition targets), MCP servers that name a program, and the workflows called
+(they exist, are valid, never call back and nest at most MAX_CALL_DEPTH deep). Tool names are
+checked by the kernel, which owns the registry.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 
-from fsm_kernel.errors import WorkflowValidationError
+from fsm_kernel.errors import WorkflowError, WorkflowValidationError
 from fsm_kernel.tools.mcp_client import parse_ref
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
+from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.output import OutputError, OutputSchema
-from fsm_kernel.workflow.spec import MCP_NAME, TERMINATION_REASONS, StateSpec, WorkflowSpec
+from fsm_kernel.workflow.schema_loops import ref_loop_errors
+from fsm_kernel.workflow.spec import (
+    MCP_NAME,
+    TERMINATION_REASONS,
+    SourceLocation,
+    StateSpec,
+    WorkflowSpec,
+)
 
-__all__ = ["EVENT_NAME", "RESERVED_NAMES", "check_calls", "validate_workflow"]
+__all__ = [
+    "EVENT_NAME",
+    "RESERVED_NAMES",
+    "check_calls",
+    "in_file_order",
+    "raise_first",
+    "validate_workflow",
+    "workflow_errors",
+]
 
 EVENT_NAME = "next"
 """The one event the kernel sends; a state may not share its name."""
@@ -50,69 +72,104 @@ def _fail(spec: WorkflowSpec, message: str, *keys: object) -> WorkflowValidation
     return WorkflowValidationError(message, location=spec.location(*keys) or spec.path)
 
 
-def _check_names(spec: WorkflowSpec) -> None:
-    for sid in spec.states:
+Errors = list[WorkflowError]
+"""What the checks append their findings to."""
+
+
+def in_file_order(errors: Iterable[WorkflowError], path: str | None = None) -> Errors:
+    """`errors` without repeats, sorted by where they are: the file at `path` first, then any
+    other file (a called workflow's), each by line and column."""
+    unique: dict[str, WorkflowError] = {}
+    for error in errors:
+        unique.setdefault(str(error), error)
+    return sorted(unique.values(), key=lambda e: _position(e, path))
+
+
+def _position(error: WorkflowError, path: str | None) -> tuple[bool, str, int, int]:
+    loc = error.location
+    if isinstance(loc, SourceLocation):
+        return (loc.path != path, loc.path, loc.line, loc.col)
+    where = str(loc) if loc is not None else (path or "")
+    return (where != path, where, 0, 0)
+
+
+def _check_names(spec: WorkflowSpec, out: Errors) -> None:
+    for sid, state in spec.states.items():
         if not IDENT.match(sid):
-            raise _fail(spec, f"state id {sid!r} must be snake_case", "states", sid, "<key>")
-        if sid in RESERVED_NAMES:
+            out.append(_fail(spec, f"state id {sid!r} must be snake_case", "states", sid, "<key>"))
+        elif sid in RESERVED_NAMES:
             what = "the kernel's event" if sid == EVENT_NAME else "a python-statemachine name"
-            raise _fail(spec, f"state id {sid!r} is reserved ({what})", "states", sid, "<key>")
+            out.append(
+                _fail(spec, f"state id {sid!r} is reserved ({what})", "states", sid, "<key>")
+            )
+        if state.final and state.action:
+            out.append(
+                _fail(spec, f"final state {sid!r} cannot have an action", "states", sid, "action")
+            )
     if spec.initial not in spec.states:
-        raise _fail(spec, f"initial state {spec.initial!r} is not a declared state", "initial")
-    if spec.states[spec.initial].final:
-        raise _fail(spec, f"initial state {spec.initial!r} cannot be final", "initial")
+        out.append(
+            _fail(spec, f"initial state {spec.initial!r} is not a declared state", "initial")
+        )
+    elif spec.states[spec.initial].final:
+        out.append(_fail(spec, f"initial state {spec.initial!r} cannot be final", "initial"))
     if not spec.final_states():
-        raise _fail(spec, "no final state: add a state with 'final: true'", "states")
+        out.append(_fail(spec, "no final state: add a state with 'final: true'", "states"))
 
 
-def _check_reasons(spec: WorkflowSpec) -> None:
+def _check_reasons(spec: WorkflowSpec, out: Errors) -> None:
     """The workflow's own reasons: snake_case, and never a built-in's name (whose meaning and
     exit code the kernel fixes)."""
     for name in spec.reasons:
         where = ("reasons", name, "<key>")
         if not IDENT.match(name):
-            raise _fail(spec, f"termination reason {name!r} must be snake_case", *where)
-        if name in TERMINATION_REASONS:
-            raise _fail(
-                spec,
-                f"termination reason {name!r} shadows the built-in reason of that name; "
-                "choose another name",
-                *where,
+            out.append(_fail(spec, f"termination reason {name!r} must be snake_case", *where))
+        elif name in TERMINATION_REASONS:
+            out.append(
+                _fail(
+                    spec,
+                    f"termination reason {name!r} shadows the built-in reason of that name; "
+                    "choose another name",
+                    *where,
+                )
             )
 
 
-def _check_refs(spec: WorkflowSpec) -> None:
+def _check_refs(spec: WorkflowSpec, out: Errors) -> dict[str, bool]:
+    """Actions and guards resolve. Returns whether each state's action calls the model, for
+    the states whose action resolved (False for a state without one)."""
+    calls_model: dict[str, bool] = {}
     for sid, state in spec.states.items():
-        if state.final and state.action:
-            raise _fail(spec, f"final state {sid!r} cannot have an action", "states", sid, "action")
-        if state.action:
-            try:
-                resolve_action(state.action)
-            except RefError as exc:
-                raise _fail(spec, exc.message, "states", sid, "action") from None
+        if not state.action:
+            calls_model[sid] = False
+            continue
+        try:
+            calls_model[sid] = resolve_action(state.action).calls_model
+        except RefError as exc:
+            out.append(_fail(spec, exc.message, "states", sid, "action"))
     for i, t in enumerate(spec.transitions):
         for key in ("guard", "unless"):
             for j, name in enumerate(getattr(t, key)):
                 try:
                     resolve_guard(name)
                 except RefError as exc:
-                    raise _fail(spec, exc.message, "transitions", i, key, j) from None
+                    out.append(_fail(spec, exc.message, "transitions", i, key, j))
+    return calls_model
 
 
-def _check_answer_flags(spec: WorkflowSpec) -> None:
-    """`answer: false` only means something where the action calls the model (actions resolve)."""
+def _check_answer_flags(spec: WorkflowSpec, calls_model: dict[str, bool], out: Errors) -> None:
+    """`answer: false` only means something where the action calls the model."""
     for sid, state in spec.states.items():
-        if state.answer or state.action == "workflow.call":
+        if state.answer or state.action == "workflow.call" or calls_model.get(sid, True):
             continue
-        if state.action and resolve_action(state.action).calls_model:
-            continue
-        raise _fail(
-            spec,
-            f"'answer: false' does nothing on state {sid!r}: only a state whose action calls "
-            "the model (agent.think) or a workflow (workflow.call) replies with an answer",
-            "states",
-            sid,
-            "answer",
+        out.append(
+            _fail(
+                spec,
+                f"'answer: false' does nothing on state {sid!r}: only a state whose action calls "
+                "the model (agent.think) or a workflow (workflow.call) replies with an answer",
+                "states",
+                sid,
+                "answer",
+            )
         )
 
 
@@ -120,297 +177,322 @@ _CALL_KEYS = ("workflow", "input")
 _MAP_KEYS = ("items", "max_concurrency", "fail_fast", "max_items")
 
 
-def _check_children(spec: WorkflowSpec) -> None:
+def _check_children(spec: WorkflowSpec, out: Errors) -> None:
     """`workflow:`/`input:` only on workflow.call/map states, which need a `workflow:`; the map
     keys only on workflow.map states, which need `items:`; templates name known values."""
     for sid, state in spec.states.items():
-        calls = state.action in CALL_ACTIONS
-        is_map = state.action == "workflow.map"
-        for key in (*_CALL_KEYS, *_MAP_KEYS):
-            if getattr(state, key) is None or (is_map if key in _MAP_KEYS else calls):
-                continue
-            needs = "workflow.map" if key in _MAP_KEYS else "workflow.call or workflow.map"
-            raise _fail(
+        _check_child_keys(spec, sid, state, out)
+        _check_templates(spec, sid, state, out)
+
+
+def _check_child_keys(spec: WorkflowSpec, sid: str, state: StateSpec, out: Errors) -> None:
+    calls = state.action in CALL_ACTIONS
+    is_map = state.action == "workflow.map"
+    for key in (*_CALL_KEYS, *_MAP_KEYS):
+        if getattr(state, key, None) is None or (is_map if key in _MAP_KEYS else calls):
+            continue
+        needs = "workflow.map" if key in _MAP_KEYS else "workflow.call or workflow.map"
+        out.append(
+            _fail(
                 spec,
                 f"'{key}' does nothing on state {sid!r}: only a {needs} state uses it",
                 "states",
                 sid,
                 key,
             )
-        if calls and not state.workflow:
-            raise _fail(
+        )
+    if calls and not state.workflow:
+        out.append(
+            _fail(
                 spec,
                 f"state {sid!r} runs {state.action} but names no workflow: add e.g. "
                 "'workflow: react'",
                 "states",
                 sid,
             )
-        if is_map and not state.items:
-            raise _fail(
+        )
+    if is_map and not state.items:
+        out.append(
+            _fail(
                 spec,
                 f"state {sid!r} runs workflow.map but says nothing of its items: add e.g. "
                 "'items: output.steps'",
                 "states",
                 sid,
             )
-        known = TEMPLATE_NAMES | (MAP_NAMES if is_map else frozenset())
-        places = [("input", template_names(state.input or ""))]
-        if state.items:
-            places.append(("items", [state.items.strip().strip("{}").split(".")[0]]))
-        for key, names in places:
-            for name in names:
-                if name not in known or (key == "items" and name in MAP_NAMES):
-                    shown = ", ".join(sorted(known - (MAP_NAMES if key == "items" else set())))
-                    raise _fail(
-                        spec,
-                        f"{key} of state {sid!r} names {name!r}, which the run does not have "
-                        f"(known: {shown})",
-                        "states",
-                        sid,
-                        key,
-                    )
+        )
 
 
-def _check_mcp(spec: WorkflowSpec) -> None:
-    """`mcp:NAME` tool entries name a declared server; server names are identifiers."""
-    for name in spec.mcp_servers:
+def _check_templates(spec: WorkflowSpec, sid: str, state: StateSpec, out: Errors) -> None:
+    """The names an `input:` template or an `items:` path starts with are the run's."""
+    is_map = state.action == "workflow.map"
+    known = TEMPLATE_NAMES | (MAP_NAMES if is_map else frozenset())
+    places = [("input", template_names(state.input or ""))]
+    if state.items:
+        places.append(("items", [state.items.strip().strip("{}").split(".")[0]]))
+    for key, names in places:
+        allowed = known - MAP_NAMES if key == "items" else known
+        for name in names:
+            if name in allowed:
+                continue
+            out.append(
+                _fail(
+                    spec,
+                    f"{key} of state {sid!r} names {name!r}, which the run does not have "
+                    f"(known: {', '.join(sorted(allowed))})",
+                    "states",
+                    sid,
+                    key,
+                )
+            )
+
+
+def _check_mcp(spec: WorkflowSpec, out: Errors) -> None:
+    """Server names are identifiers, a stdio server names a program, and `mcp:NAME` tool
+    entries name a declared server."""
+    for name, server in spec.mcp_servers.items():
         if not re.match(MCP_NAME, name):
-            raise _fail(
-                spec,
-                f"MCP server name {name!r} must start with a letter and hold only letters, "
-                "digits, _ and -",
-                "mcp_servers",
-                name,
-                "<key>",
+            out.append(
+                _fail(
+                    spec,
+                    f"MCP server name {name!r} must start with a letter and hold only letters, "
+                    "digits, _ and -",
+                    "mcp_servers",
+                    name,
+                    "<key>",
+                )
+            )
+        if server.command is not None and not server.command.strip():
+            out.append(
+                _fail(
+                    spec,
+                    f"MCP server {name!r} has an empty command: name the program to start "
+                    "(e.g. npx, uvx, python)",
+                    "mcp_servers",
+                    name,
+                    "command",
+                )
             )
     for i, entry in enumerate(spec.tools):
         ref = parse_ref(entry.name)
-        if ref is None:
+        if ref is None or (ref.server and ref.server in spec.mcp_servers):
             continue
-        if not ref.server or ref.server not in spec.mcp_servers:
-            declared = ", ".join(spec.mcp_servers) or "none"
-            raise _fail(
+        declared = ", ".join(spec.mcp_servers) or "none"
+        out.append(
+            _fail(
                 spec,
                 f"tool entry {entry.name!r} names MCP server {ref.server!r}, which "
                 f"mcp_servers does not declare (declared: {declared})",
                 "tools",
                 i,
             )
+        )
 
 
 def check_calls(spec: WorkflowSpec) -> None:
-    """Every workflow a `workflow.call`/`workflow.map` state names exists, is valid, and never
-    calls back a workflow on the way to it (directly or through a cycle of files): reported at
-    the state of `spec` the cycle starts from."""
-    _check_calls(spec, [Path(spec.path).resolve()], None)
+    """Raise the first problem of the workflows `spec`'s states call (see call_chain): one
+    that does not exist or is invalid, a cycle of calls, a chain deeper than MAX_CALL_DEPTH."""
+    raise_first(in_file_order(call_errors(spec), spec.path))
 
 
-def _check_calls(
-    spec: WorkflowSpec, stack: list[Path], origin: tuple[WorkflowSpec, str] | None
-) -> None:
-    from fsm_kernel.workflow.loader import find_workflow, load_workflow
-
-    for sid, state in spec.states.items():
-        if state.action not in CALL_ACTIONS or not state.workflow:
-            continue
-        where = ("states", sid, "workflow")
-        try:
-            path = find_workflow(state.workflow, relative_to=spec.path)
-        except WorkflowValidationError as exc:
-            raise _fail(spec, exc.message, *where) from None
-        resolved = path.resolve()
-        first, first_sid = origin or (spec, sid)
-        if resolved in stack:
-            chain = [p.name for p in stack[stack.index(resolved) :]] + [resolved.name]
-            raise _fail(
-                first,
-                f"state {first_sid!r} starts a cycle of workflow calls that would never end: "
-                f"{' → '.join(chain)}",
-                "states",
-                first_sid,
-                "workflow",
-            )
-        child = load_workflow(path, import_code=False, calls=False)
-        _check_calls(child, [*stack, resolved], (first, first_sid))
-
-
-def _check_parallel_flags(spec: WorkflowSpec) -> None:
+def _check_parallel_flags(spec: WorkflowSpec, out: Errors) -> None:
     """A state's `parallel_tool_calls` only means something where tools.execute runs."""
     for sid, state in spec.states.items():
         if state.parallel_tool_calls is None or state.action == "tools.execute":
             continue
-        raise _fail(
-            spec,
-            f"'parallel_tool_calls' does nothing on state {sid!r}: only a state whose action "
-            "is tools.execute runs tool calls",
-            "states",
-            sid,
-            "parallel_tool_calls",
+        out.append(
+            _fail(
+                spec,
+                f"'parallel_tool_calls' does nothing on state {sid!r}: only a state whose "
+                "action is tools.execute runs tool calls",
+                "states",
+                sid,
+                "parallel_tool_calls",
+            )
         )
 
 
-def _check_outputs(spec: WorkflowSpec) -> None:
-    """Each `output:` resolves (at the node the problem is in) and applies somewhere: a state's
-    own needs an action that calls the model, the workflow's a state whose reply is the answer."""
-    calls_model = {
-        sid: bool(s.action) and resolve_action(str(s.action)).calls_model
-        for sid, s in spec.states.items()
-    }
+def _check_schemas(spec: WorkflowSpec, out: Errors) -> None:
+    """Each `output:` resolves, at the node the problem is in, and its `$ref`s never loop
+    without descending into the value (a pydantic model's, at the `output:` that names it)."""
     places: list[tuple[tuple[str, ...], object]] = [(("output",), spec.output)]
     places += [(("states", sid, "output"), s.output) for sid, s in spec.states.items()]
     for where, value in places:
         if not isinstance(value, dict | str):
             continue
         try:
-            OutputSchema.resolve(value)
+            schema = OutputSchema.resolve(value).schema
         except OutputError as exc:
-            raise _fail(spec, f"output: {exc.message}", *where, *exc.path) from None
+            out.append(_fail(spec, f"output: {exc.message}", *where, *exc.path))
+            continue
+        for path, message in ref_loop_errors(schema):
+            inside = path if isinstance(value, dict) else ()
+            out.append(_fail(spec, f"output: {message}", *where, *inside))
+
+
+def _check_outputs(spec: WorkflowSpec, calls_model: dict[str, bool], out: Errors) -> None:
+    """Each `output:` applies somewhere: a state's own needs an action that calls the model,
+    the workflow's a state whose reply is the answer (judged once every action resolved)."""
+    _check_schemas(spec, out)
     for sid, state in spec.states.items():
-        if state.output is not None and not calls_model[sid]:
-            raise _fail(
+        if state.output is not None and not calls_model.get(sid, True):
+            out.append(
+                _fail(
+                    spec,
+                    f"'output' does nothing on state {sid!r}: only a state whose action calls "
+                    "the model (agent.think) replies with an answer",
+                    "states",
+                    sid,
+                    "output",
+                )
+            )
+    if spec.output is None or len(calls_model) < len(spec.states):
+        return
+    answering = [sid for sid, s in spec.states.items() if s.answer and s.output is None]
+    if not any(calls_model[sid] for sid in answering):
+        out.append(
+            _fail(
                 spec,
-                f"'output' does nothing on state {sid!r}: only a state whose action calls the "
-                "model (agent.think) replies with an answer",
-                "states",
-                sid,
+                "'output' applies to no state: no state whose action calls the model has "
+                "'answer: true' without an 'output' of its own",
                 "output",
             )
-    if spec.output is not None and not any(
-        calls_model[sid] and s.answer and s.output is None for sid, s in spec.states.items()
-    ):
-        raise _fail(
-            spec,
-            "'output' applies to no state: no state whose action calls the model has "
-            "'answer: true' without an 'output' of its own",
-            "output",
         )
 
 
-def _check_transitions(spec: WorkflowSpec) -> None:
+def _check_transitions(spec: WorkflowSpec, out: Errors) -> None:
     for i, t in enumerate(spec.transitions):
-        for key in ("source", "target"):
-            name = getattr(t, key)
-            if name not in spec.states:
-                raise _fail(spec, f"unknown {key} state {name!r}", "transitions", i, key)
+        unknown = [key for key in ("source", "target") if getattr(t, key) not in spec.states]
+        for key in unknown:
+            out.append(
+                _fail(spec, f"unknown {key} state {getattr(t, key)!r}", "transitions", i, key)
+            )
+        if unknown:
+            continue
         if spec.states[t.source].final:
-            raise _fail(
-                spec,
-                f"final state {t.source!r} cannot have transitions out of it",
-                "transitions",
-                i,
-                "source",
+            out.append(
+                _fail(
+                    spec,
+                    f"final state {t.source!r} cannot have transitions out of it",
+                    "transitions",
+                    i,
+                    "source",
+                )
             )
-        into_final = spec.states[t.target].final
-        if into_final and not t.reason:
-            raise _fail(
-                spec, f"transition into final state {t.target!r} needs a 'reason'", "transitions", i
-            )
-        if t.reason and not into_final:
-            raise _fail(
-                spec,
-                "'reason' is only for transitions into a final state",
-                "transitions",
-                i,
-                "reason",
-            )
-        if t.reason and t.reason not in TERMINATION_REASONS and t.reason not in spec.reasons:
-            known = ", ".join([*TERMINATION_REASONS, *spec.reasons])
-            raise _fail(
-                spec,
-                f"unknown termination reason {t.reason!r} (known: {known}; declare your own "
-                "under 'reasons:')",
-                "transitions",
-                i,
-                "reason",
-            )
+        _check_edge_end(spec, "transition", t.target, t.reason, out, "transitions", i)
 
 
-def _check_edge_end(spec: WorkflowSpec, target: str, reason: str | None, *where: object) -> None:
-    """A catch entry's target and reason, checked as a transition's are."""
-    if target not in spec.states:
-        raise _fail(spec, f"unknown catch target state {target!r}", *where, "target")
+def _check_edge_end(
+    spec: WorkflowSpec, kind: str, target: str, reason: str | None, out: Errors, *where: object
+) -> None:
+    """A known target's reason (`kind`: transition or catch): needed into a final state, only
+    there, and a known one."""
     into_final = spec.states[target].final
     if into_final and not reason:
-        raise _fail(spec, f"catch into final state {target!r} needs a 'reason'", *where)
-    if reason and not into_final:
-        raise _fail(spec, "'reason' is only for a catch into a final state", *where, "reason")
-    if reason and reason not in TERMINATION_REASONS and reason not in spec.reasons:
-        raise _fail(
-            spec,
-            f"unknown termination reason {reason!r} (declare your own under 'reasons:')",
-            *where,
-            "reason",
+        out.append(_fail(spec, f"{kind} into final state {target!r} needs a 'reason'", *where))
+    elif reason and not into_final:
+        edges = "transitions" if kind == "transition" else "a catch"
+        out.append(
+            _fail(spec, f"'reason' is only for {edges} into a final state", *where, "reason")
+        )
+    elif reason and reason not in TERMINATION_REASONS and reason not in spec.reasons:
+        known = ", ".join([*TERMINATION_REASONS, *spec.reasons])
+        listed = f"known: {known}; " if kind == "transition" else ""
+        out.append(
+            _fail(
+                spec,
+                f"unknown termination reason {reason!r} ({listed}declare your own under "
+                "'reasons:')",
+                *where,
+                "reason",
+            )
         )
 
 
-def _check_catches(spec: WorkflowSpec, sid: str, state: StateSpec) -> None:
+def _check_catches(spec: WorkflowSpec, sid: str, state: StateSpec, out: Errors) -> None:
+    """A state's catch entries: known targets and reasons as for transitions, and none that an
+    earlier entry already catches."""
     handled: list[str] = []
     for k, entry in enumerate(state.catch):
         where = ("states", sid, "catch", k)
-        _check_edge_end(spec, entry.target, entry.reason, *where)
+        if entry.target not in spec.states:
+            out.append(
+                _fail(spec, f"unknown catch target state {entry.target!r}", *where, "target")
+            )
+        else:
+            _check_edge_end(spec, "catch", entry.target, entry.reason, out, *where)
         earlier = next((e for e in handled if e in ("any", entry.error)), None)
         if earlier is not None:
-            raise _fail(
-                spec,
-                f"catch entry never fires: an earlier entry of state {sid!r} already catches "
-                f"{earlier!r}",
-                *where,
-                "error",
+            out.append(
+                _fail(
+                    spec,
+                    f"catch entry never fires: an earlier entry of state {sid!r} already "
+                    f"catches {earlier!r}",
+                    *where,
+                    "error",
+                )
             )
         handled.append(entry.error)
 
 
-def _check_recovery(spec: WorkflowSpec) -> None:
+def _check_recovery(spec: WorkflowSpec, calls_model: dict[str, bool], out: Errors) -> None:
     """`retry:`, `catch:` and `agent:` only where they can act: on a state with an action (one
-    that calls the model, for `agent:`); catch targets and reasons as for transitions."""
+    that calls the model, for `agent:`)."""
     for sid, state in spec.states.items():
         for key in ("retry", "catch"):
             if getattr(state, key) and not state.action:
-                raise _fail(
+                out.append(
+                    _fail(
+                        spec,
+                        f"'{key}:' does nothing on state {sid!r}: it has no action to fail",
+                        "states",
+                        sid,
+                        key,
+                    )
+                )
+        if state.agent is not None and not calls_model.get(sid, True):
+            out.append(
+                _fail(
                     spec,
-                    f"'{key}:' does nothing on state {sid!r}: it has no action to fail",
+                    f"'agent:' does nothing on state {sid!r}: only a state whose action calls "
+                    "the model (agent.think) makes model calls",
                     "states",
                     sid,
-                    key,
+                    "agent",
                 )
-        if state.agent is not None and not (
-            state.action and resolve_action(state.action).calls_model
-        ):
-            raise _fail(
-                spec,
-                f"'agent:' does nothing on state {sid!r}: only a state whose action calls the "
-                "model (agent.think) makes model calls",
-                "states",
-                sid,
-                "agent",
             )
-        _check_catches(spec, sid, state)
 
 
-def _check_fallbacks(spec: WorkflowSpec) -> None:
+def _check_fallbacks(spec: WorkflowSpec, out: Errors) -> None:
     for sid, state in spec.states.items():
         if state.final:
             continue
         outgoing = spec.transitions_from(sid)
         if not outgoing:
-            raise _fail(spec, f"state {sid!r} has no transition out of it", "states", sid, "<key>")
-        for pos, (_, t) in enumerate(outgoing):
-            if not t.is_guarded and pos != len(outgoing) - 1:
-                later = outgoing[pos + 1][0]
-                raise _fail(
-                    spec,
-                    f"transition never fires: the unguarded transition from "
-                    f"{sid!r} above it always fires first",
-                    "transitions",
-                    later,
+            out.append(
+                _fail(spec, f"state {sid!r} has no transition out of it", "states", sid, "<key>")
+            )
+            continue
+        for pos, (_, t) in enumerate(outgoing[:-1]):
+            if not t.is_guarded:
+                out.append(
+                    _fail(
+                        spec,
+                        f"transition never fires: the unguarded transition from {sid!r} above "
+                        "it always fires first",
+                        "transitions",
+                        outgoing[pos + 1][0],
+                    )
                 )
         if outgoing[-1][1].is_guarded:
-            raise _fail(
-                spec,
-                f"state {sid!r} needs an unguarded fallback transition last, so "
-                "some transition always fires",
-                "transitions",
-                outgoing[-1][0],
+            out.append(
+                _fail(
+                    spec,
+                    f"state {sid!r} needs an unguarded fallback transition last, so some "
+                    "transition always fires",
+                    "transitions",
+                    outgoing[-1][0],
+                )
             )
 
 
@@ -429,36 +511,75 @@ def _reachable(spec: WorkflowSpec, start: str, forward: bool = True) -> set[str]
     return seen
 
 
-def _check_graph(spec: WorkflowSpec) -> None:
+def _graph_known(spec: WorkflowSpec) -> bool:
+    """Every edge of the machine joins declared states, from a declared initial one: what the
+    graph checks need (else their findings would only echo an unknown name)."""
+    ends = [name for t in spec.transitions for name in (t.source, t.target)]
+    ends += [c.target for c in spec.catch_edges()]
+    return spec.initial in spec.states and all(name in spec.states for name in ends)
+
+
+def _check_graph(spec: WorkflowSpec, out: Errors) -> None:
+    """Every state is reachable from the initial one, and every reachable one can finish."""
     reachable = _reachable(spec, spec.initial)
-    for sid in spec.states:
-        if sid not in reachable:
-            raise _fail(
-                spec, f"state {sid!r} is unreachable from {spec.initial!r}", "states", sid, "<key>"
-            )
     can_finish: set[str] = set()
     for final in spec.final_states():
         can_finish |= _reachable(spec, final, forward=False)
     for sid in spec.states:
-        if sid not in can_finish:
-            raise _fail(spec, f"state {sid!r} has no path to a final state", "states", sid, "<key>")
+        if sid not in reachable:
+            out.append(
+                _fail(
+                    spec,
+                    f"state {sid!r} is unreachable from {spec.initial!r}",
+                    "states",
+                    sid,
+                    "<key>",
+                )
+            )
+        elif sid not in can_finish and spec.final_states():
+            out.append(
+                _fail(spec, f"state {sid!r} has no path to a final state", "states", sid, "<key>")
+            )
+
+
+def raise_first(errors: Sequence[WorkflowError]) -> None:
+    """Raise the first of `errors` (in file order), with all of them attached; nothing when
+    there are none."""
+    if not errors:
+        return
+    first = errors[0]
+    if len(errors) == 1:
+        raise first
+    raise type(first)(first.message, location=first.location, errors=errors) from first.__cause__
+
+
+def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
+    """Every problem found in `spec` itself (not the workflows it calls), in file order.
+    Without `import_code`, the actions, guards and output models it names are not resolved
+    (nothing is imported), nor the checks that need them."""
+    if not spec.states:
+        return [_fail(spec, "a workflow needs at least one state", "states")]
+    out: Errors = []
+    _check_names(spec, out)
+    _check_reasons(spec, out)
+    _check_transitions(spec, out)
+    _check_parallel_flags(spec, out)
+    _check_children(spec, out)
+    _check_mcp(spec, out)
+    for sid, state in spec.states.items():
+        _check_catches(spec, sid, state, out)
+    if import_code:
+        calls_model = _check_refs(spec, out)
+        _check_answer_flags(spec, calls_model, out)
+        _check_recovery(spec, calls_model, out)
+        _check_outputs(spec, calls_model, out)
+    if _graph_known(spec):
+        _check_fallbacks(spec, out)
+        _check_graph(spec, out)
+    return in_file_order(out, spec.path)
 
 
 def validate_workflow(spec: WorkflowSpec, *, import_code: bool = True) -> None:
-    """Raise WorkflowValidationError for the first problem found, in file terms. Without
-    `import_code`, the actions and guards it names are not resolved (nothing is imported)."""
-    if not spec.states:
-        raise _fail(spec, "a workflow needs at least one state", "states")
-    _check_names(spec)
-    _check_reasons(spec)
-    _check_transitions(spec)
-    _check_parallel_flags(spec)
-    _check_children(spec)
-    _check_mcp(spec)
-    if import_code:
-        _check_refs(spec)
-        _check_answer_flags(spec)
-        _check_recovery(spec)
-        _check_outputs(spec)
-    _check_fallbacks(spec)
-    _check_graph(spec)
+    """Raise WorkflowValidationError for the first problem found in file order, every problem
+    in its `errors` (see workflow_errors)."""
+    raise_first(workflow_errors(spec, import_code=import_code))
