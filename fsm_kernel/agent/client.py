@@ -34,6 +34,7 @@ from fsm_kernel.agent.wire import (
     StreamServerError,
     chunk_from_sse,
     completion_from_wire,
+    loads_json,
     messages_to_wire,
     messages_with_instructions,
     response_format_to_wire,
@@ -68,6 +69,9 @@ MAX_RETRY_AFTER = 60.0
 _MESSAGE_LIMIT = 300
 _BODY_LIMIT = 2000
 _RETRY_STATUSES = frozenset({408, 409, 429})
+_PARSE_ON_LOOP = 256 * 1024
+"""Bodies larger than this many bytes are parsed in a worker thread (milliseconds per
+megabyte, but a megabyte of deeply nested JSON takes longer)."""
 _EVENT_STREAM = "text/event-stream"
 _STREAM_HEADERS = {"Accept": "text/event-stream, application/json"}
 _CONNECT_HINT = (
@@ -390,7 +394,11 @@ class HttpChatModel:
             return answer
         if not 200 <= answer.status_code < 300:
             raise self._status_error(answer)
-        completion = self._parse(answer)
+        if len(answer.content) > _PARSE_ON_LOOP:
+            # Off the event loop: the run's timeout and every other run go on meanwhile.
+            completion = await asyncio.to_thread(self._parse, answer)
+        else:
+            completion = self._parse(answer)
         if self._settings.stream:
             # Asked to stream but answered whole (a server that ignores `stream`, or after a
             # fallback): watchers still get the answer's text, all at once.
@@ -557,7 +565,7 @@ class HttpChatModel:
         # body in `.doc`, and the wire error's message may quote the server verbatim; either
         # could carry an echoed key past the redaction.
         try:
-            body = json.loads(answer.content)
+            body = loads_json(answer.content)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise self._error(
                 AgentResponseError,
@@ -680,7 +688,7 @@ class _ErrorDetail:
         """The message is redacted before it is shortened: a key cut in half by `_shorten`
         would no longer match the registered value."""
         try:
-            body: Any = json.loads(answer.content)
+            body: Any = loads_json(answer.content)
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = answer.text
         message, code = _message_and_code(body)

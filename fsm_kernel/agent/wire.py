@@ -1,7 +1,11 @@
 """Conversion between protocol types and the OpenAI chat-completions JSON, smoothing over the
 quirks of compatible servers (Ollama, vLLM, llama.cpp, LM Studio, ...), streamed answers
-(server-sent events) included. Pure: no I/O, no httpx. Imports only fsm_kernel.protocol and
-fsm_kernel.errors.
+(server-sent events) included. Pure: no I/O, no httpx. Imports only fsm_kernel.protocol,
+fsm_kernel.errors and fsm_kernel.redact.
+
+Whatever a server sends is read within bounds (`loads_json`): JSON nested deeper than Python
+can walk is cut, not a RecursionError, and a tool call's arguments nested deeper than
+MAX_JSON_DEPTH are malformed output, fed back to the model like arguments that are not JSON.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from fsm_kernel.protocol import (
     ToolCall,
     Usage,
 )
+from fsm_kernel.redact import encodable
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "SseDecoder",
     "SseEvent",
     "StreamAssembler",
@@ -34,6 +40,7 @@ __all__ = [
     "StreamServerError",
     "chunk_from_sse",
     "completion_from_wire",
+    "loads_json",
     "message_from_wire",
     "messages_from_wire",
     "messages_to_wire",
@@ -381,19 +388,23 @@ def _parse_arguments(raw: Any) -> tuple[dict[str, Any], str | None, str | None]:
     if raw is None:
         return {}, None, None
     if isinstance(raw, dict):  # llama.cpp #20198, Ollama native
+        if _nests_deeper(raw, MAX_JSON_DEPTH):
+            return {}, None, _TOO_DEEP
         return raw, None, None
     if not isinstance(raw, str):
         return {}, _canonical_json(raw), f"arguments are a JSON {_json_type(raw)}, not an object"
     if not raw.strip():
         return {}, None, None
     try:
-        parsed = json.loads(raw)
+        parsed = loads_json(raw)
     except json.JSONDecodeError as exc:
         return {}, raw, f"arguments are not valid JSON: {exc.msg} at position {exc.pos}"
     if parsed is None:
         return {}, None, None
     if not isinstance(parsed, dict):
         return {}, raw, f"arguments are a JSON {_json_type(parsed)}, not an object"
+    if _nests_deeper(parsed, MAX_JSON_DEPTH):
+        return {}, raw, _TOO_DEEP
     return parsed, None, None
 
 
@@ -409,6 +420,128 @@ def _json_type(value: Any) -> str:
         return "number"
     names: dict[type, str] = {str: "string", list: "array", dict: "object"}
     return names.get(type(value), type(value).__name__)
+
+
+# --- JSON within bounds -------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 100
+"""How deeply a tool call's arguments may nest objects and arrays (the arguments object is
+level 1). Deeper arguments are malformed output: no tool needs them, and every walk of them
+(redaction, the event log, the tools' validation) stays far from Python's recursion limit."""
+
+_READ_DEPTH = 200
+"""How deep `loads_json` reads: a container nested deeper is read as null. A reply's envelope
+(choices, message, tool_calls, function) takes 7 levels, so arguments cut here still nest past
+MAX_JSON_DEPTH, and are malformed."""
+
+_TOO_DEEP = f"arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+_STRUCTURE = re.compile(r'["\[\]{}]')
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_SURROGATE_TEXT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def loads_json(text: str | bytes) -> Any:
+    """`json.loads` for what a server sends: it never raises RecursionError (arrays and objects
+    nested deeper than _READ_DEPTH are read as null, whatever their size) and gives no lone
+    surrogate (an escape such as `\\ud800` alone reads as U+FFFD), so every string encodes.
+
+    Raises:
+        json.JSONDecodeError: not JSON.
+        UnicodeDecodeError: bytes that are not text.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = _loads_cut(text)
+    else:
+        if _opens(text) > _READ_DEPTH and _nests_deeper(value, _READ_DEPTH):
+            value = _loads_cut(text)  # read whole, but too deep for the walks that follow
+    surrogate = _SURROGATE_BYTES if isinstance(text, bytes) else _SURROGATE_TEXT
+    if surrogate.search(text):  # type: ignore[arg-type]  # the pattern matches the text's type
+        value = _repaired(value)
+    return value
+
+
+def _opens(text: str | bytes) -> int:
+    """How many arrays and objects `text` could open at most (a count at C speed)."""
+    if isinstance(text, bytes):
+        return text.count(b"[") + text.count(b"{")
+    return text.count("[") + text.count("{")
+
+
+def _loads_cut(text: str | bytes) -> Any:
+    cut = _cut_deeper(text.decode("utf-8") if isinstance(text, bytes) else text, _READ_DEPTH)
+    try:
+        return json.loads(cut)
+    except RecursionError:  # the caller's own stack is already deep
+        raise json.JSONDecodeError("nested too deeply", cut, 0) from None
+
+
+def _cut_deeper(text: str, limit: int) -> str:
+    """`text` with each array or object opened deeper than `limit` replaced by null: one scan
+    from bracket to bracket, stepping over strings. Text that is not JSON stays text that
+    json.loads refuses (an unclosed string or container ends the scan)."""
+    parts: list[str] = []
+    depth, kept, pos = 0, 0, 0  # kept: where the text not yet copied begins
+    while (found := _STRUCTURE.search(text, pos)) is not None:
+        char, pos = found.group(), found.end()
+        if char == '"':
+            rest = _STRING_REST.match(text, pos)
+            if rest is None:
+                break
+            pos = rest.end()
+        elif char in "[{":
+            depth += 1
+            if depth == limit + 1:  # cut from here to its close
+                parts.append(text[kept : found.start()])
+                kept = -1
+        else:
+            depth -= 1
+            if depth == limit and kept == -1:
+                parts.append("null")
+                kept = pos
+    if kept >= 0:  # else it ended inside a cut container: not JSON, and stays so
+        parts.append(text[kept:])
+    return "".join(parts)
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays and objects more than `limit` levels deep (level by level,
+    no recursion)."""
+    level, depth = [value], 0
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = [x for c in containers for x in (c.values() if isinstance(c, dict) else c)]
+    return False
+
+
+def _repaired(value: Any) -> Any:
+    """A value just parsed, with lone surrogates replaced in each string and key (changed in
+    place: it is nobody else's yet; no recursion)."""
+    if isinstance(value, str):
+        return encodable(value)
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            fixed = {encodable(k): _text_repaired(v) for k, v in item.items()}
+            item.clear()
+            item.update(fixed)
+            stack.extend(v for v in fixed.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            item[:] = [_text_repaired(v) for v in item]
+            stack.extend(v for v in item if isinstance(v, dict | list))
+    return value
+
+
+def _text_repaired(value: Any) -> Any:
+    return encodable(value) if isinstance(value, str) else value
 
 
 # --- streamed answers: server-sent events -> the body of an unstreamed answer -------------------
@@ -565,7 +698,7 @@ def chunk_from_sse(event: SseEvent) -> dict[str, Any] | None:
     if not data or event.is_done:
         return None
     try:
-        chunk = json.loads(data)
+        chunk = loads_json(data)
     except json.JSONDecodeError:
         if event.event == "error":
             return {"error": {"message": data}}
@@ -608,7 +741,7 @@ class _StreamedCall:
         if not last.rstrip().endswith("}"):
             return False
         try:
-            return isinstance(json.loads("".join(self.parts)), dict)
+            return isinstance(loads_json("".join(self.parts)), dict)
         except json.JSONDecodeError:
             return False
 

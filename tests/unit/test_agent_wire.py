@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from fsm_kernel.agent.wire import (
+    MAX_JSON_DEPTH,
     completion_from_wire,
+    loads_json,
     message_from_wire,
     messages_from_wire,
     messages_to_wire,
@@ -525,3 +527,91 @@ def test_unknown_keys_are_ignored() -> None:
     }
     completion = completion_from_wire(wire)
     assert (completion.message.content, completion.finish_reason) == ("ok", "stop")
+
+
+# --- JSON within bounds -----------------------------------------------------------------------
+
+
+def nested(depth: int) -> str:
+    """An object `depth` levels deep: {"a": {"a": ... 1 ...}}."""
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def depth_of(value: Any) -> int:
+    depth = 0
+    while isinstance(value, dict | list) and value:
+        value = next(iter(value.values())) if isinstance(value, dict) else value[0]
+        depth += 1
+    return depth
+
+
+@pytest.mark.parametrize("text", [nested(100_000), "[" * 100_000 + "]" * 100_000])
+def test_loads_json_reads_json_of_any_depth_without_recursion_error(text: str) -> None:
+    value = loads_json(text)  # json.loads raises RecursionError past ~1,000 levels
+
+    assert 150 < depth_of(value) <= 200  # cut where a reply's arguments are already malformed
+    assert loads_json(text.encode()) == value
+
+
+def test_loads_json_refuses_what_is_not_json_even_when_deep() -> None:
+    for text in ["[" * 5_000, "[" * 5_000 + '"never closed', "[" * 5_000 + "}" * 5_000]:
+        with pytest.raises(json.JSONDecodeError):
+            loads_json(text)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [nested(5_000), nested(MAX_JSON_DEPTH + 1), json.loads(nested(MAX_JSON_DEPTH + 1))],
+    ids=["string, 5,000 deep", "string, one too deep", "object, one too deep"],
+)
+def test_arguments_nested_too_deep_are_malformed_not_a_crash(arguments: Any) -> None:
+    completion = completion_from_wire(body({"tool_calls": [wire_call("f", arguments)]}))
+
+    (call,) = completion.message.tool_calls
+    assert call.arguments == {}
+    assert call.arguments_error == (
+        f"arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+    )
+    assert call.raw_arguments == (arguments if isinstance(arguments, str) else None)
+
+
+def test_arguments_at_the_depth_limit_are_taken() -> None:
+    arguments = nested(MAX_JSON_DEPTH)
+
+    (call,) = completion_from_wire(
+        body({"tool_calls": [wire_call("f", arguments)]})
+    ).message.tool_calls
+
+    assert call.arguments_error is None
+    assert call.arguments == json.loads(arguments)
+
+
+def test_a_body_nested_too_deep_for_python_gives_a_malformed_call() -> None:
+    """Arguments sent as an object (Ollama native, llama.cpp) 5,000 deep: the body itself is
+    too deep for json.loads."""
+    raw = json.dumps(body({"tool_calls": [wire_call("f", {"x": 1})]})).replace(
+        '{"x": 1}', nested(5_000)
+    )
+
+    (call,) = completion_from_wire(loads_json(raw)).message.tool_calls
+
+    assert (call.name, call.arguments) == ("f", {})
+    assert call.arguments_error == (
+        f"arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+    )
+
+
+def test_lone_surrogate_escapes_read_as_the_replacement_character() -> None:
+    """`"\\ud800"` is valid JSON that decodes to a string UTF-8 cannot encode: the store, the
+    terminal and the next request would refuse it."""
+    arguments = r'{"\udc00k": "v\ud800"}'  # escapes inside the arguments' own JSON text
+    raw = json.dumps(  # ensure_ascii: the content's surrogate goes as an escape, as servers send
+        body({"content": "a \ud800 b", "tool_calls": [wire_call("f", arguments)]})
+    )
+
+    message = completion_from_wire(loads_json(raw)).message
+
+    assert message.content == "a \ufffd b"
+    assert message.tool_calls[0].arguments == {"\ufffdk": "v\ufffd"}
+    assert loads_json(r'"\ud83d\ude00"') == "\U0001f600"  # a pair is one character: kept
+    assert loads_json(b'"\xed\xa0\x80"') == "\ufffd"  # json.loads takes encoded surrogates too

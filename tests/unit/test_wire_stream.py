@@ -468,3 +468,25 @@ def test_a_chunk_without_choices_or_with_a_null_delta_adds_nothing() -> None:
     )
     assert shown == ""
     assert completion_from_wire(assembler.body()).message.content == ""
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one delta (Ollama)", "fragments (OpenAI)"])
+def test_streamed_arguments_nested_5000_deep_are_a_malformed_call(whole: bool) -> None:
+    deep = '{"a":' * 5_000 + "1" + "}" * 5_000
+    fn = {"name": "f", "arguments": deep}
+    chunk = {
+        "choices": [
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "function": fn}]}}
+        ]
+    }
+    data = json.dumps(chunk)
+    if whole:  # the arguments as an object: the chunk itself is 5,000 deep
+        data = data.replace(json.dumps(deep), deep)
+    assembler = StreamAssembler()
+
+    assembler.add(chunk_from_sse(SseEvent(data)))
+    assembler.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+
+    (call,) = completion_from_wire(assembler.body()).message.tool_calls
+    assert (call.id, call.name, call.arguments) == ("c1", "f", {})
+    assert call.arguments_error == "arguments nest objects and arrays deeper than 100 levels"
