@@ -27,7 +27,6 @@ from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.output import OutputError, OutputSchema
-from fsm_kernel.workflow.schema_loops import ref_loop_errors
 from fsm_kernel.workflow.spec import (
     MCP_NAME,
     TERMINATION_REASONS,
@@ -313,21 +312,17 @@ def _check_parallel_flags(spec: WorkflowSpec, out: Errors) -> None:
 
 
 def _check_schemas(spec: WorkflowSpec, out: Errors) -> None:
-    """Each `output:` resolves, at the node the problem is in, and its `$ref`s never loop
-    without descending into the value (a pydantic model's, at the `output:` that names it)."""
+    """Each `output:` resolves (OutputSchema.resolve refuses, among others, `$ref`s that loop
+    without descending into the value), reported at the node the problem is in."""
     places: list[tuple[tuple[str, ...], object]] = [(("output",), spec.output)]
     places += [(("states", sid, "output"), s.output) for sid, s in spec.states.items()]
     for where, value in places:
         if not isinstance(value, dict | str):
             continue
         try:
-            schema = OutputSchema.resolve(value).schema
+            OutputSchema.resolve(value)
         except OutputError as exc:
             out.append(_fail(spec, f"output: {exc.message}", *where, *exc.path))
-            continue
-        for path, message in ref_loop_errors(schema):
-            inside = path if isinstance(value, dict) else ()
-            out.append(_fail(spec, f"output: {message}", *where, *inside))
 
 
 def _check_outputs(spec: WorkflowSpec, calls_model: dict[str, bool], out: Errors) -> None:
