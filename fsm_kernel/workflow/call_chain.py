@@ -148,7 +148,7 @@ class _Walk:
                 self.top,
                 self.origin,
                 f"state {self.origin!r} starts a chain of {depth} nested workflow calls, "
-                f"deeper than the {MAX_CALL_DEPTH} a run may nest (MAX_CALL_DEPTH): "
+                f"deeper than calls may nest (MAX_CALL_DEPTH = {MAX_CALL_DEPTH}): "
                 f"{_chain(names)}",
             )
         )
