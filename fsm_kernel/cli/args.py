@@ -14,6 +14,7 @@ from pathlib import Path
 from fsm_kernel.errors import ConfigError
 
 __all__ = [
+    "MAX_PROMPT_BYTES",
     "TEXT_ARGUMENTS",
     "check_text_arguments",
     "count",
@@ -22,9 +23,18 @@ __all__ = [
     "seconds",
 ]
 
-TEXT_ARGUMENTS = frozenset({"prompt", "system_prompt"})
-"""Free text: bytes that are not UTF-8 are replaced by U+FFFD. Every other string argument
-(paths, names, URLs) with such bytes is refused: guessing would name another file."""
+TEXT_ARGUMENTS = frozenset({"prompt", "system_prompt", "input", "reject"})
+"""Free text (a prompt, an answer to a run's question, a reason for a rejection): bytes that
+are not UTF-8 are replaced by U+FFFD. Every other string argument (paths, names, URLs) with
+such bytes is refused: guessing would name another file."""
+
+MAX_PROMPT_BYTES = 1024 * 1024
+"""The longest prompt taken, from any source (1 MiB, about 250,000 tokens: more than the
+context of most models). At most one byte more is read, so `--prompt-file /dev/zero` or an
+endless stdin is refused at once instead of filling the memory."""
+
+SHOWN_CHARS = 60
+"""The most of a refused argument an error message repeats."""
 
 
 def seconds(text: str) -> float:
@@ -89,19 +99,28 @@ def check_text_arguments(args: argparse.Namespace) -> None:
         if name in TEXT_ARGUMENTS:
             setattr(args, name, _repair(value))
             continue
-        shown = _repair(value)
         raise ConfigError(
-            f"{name.replace('_', '-')} {shown!r} is not valid UTF-8 text (rename it, or run "
-            "with a UTF-8 locale)"
+            f"{name.replace('_', '-')} {shown(_repair(value))} is not valid UTF-8 text (rename "
+            "it, or run with a UTF-8 locale)"
         )
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` quoted for an error message: whole when short, else its start and its size (a
+    message that repeats a 100 KB argument hides what it says)."""
+    if len(text) <= limit:
+        return repr(text)
+    size = len(text.encode("utf-8", "surrogateescape"))
+    return f"{text[:limit]!r}… ({size:,} bytes)"
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     """The task: --prompt TEXT, --prompt - (stdin) or --prompt-file PATH, decoded as UTF-8
-    with undecodable bytes replaced.
+    with undecodable bytes replaced; at most MAX_PROMPT_BYTES.
 
     Raises:
-        ConfigError: no prompt, both forms, an unreadable file, or an empty prompt.
+        ConfigError: no prompt, both forms, an unreadable file, a prompt over the limit, or an
+            empty prompt.
     """
     if (prompt is None) == (prompt_file is None):
         raise ConfigError(
@@ -109,19 +128,39 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
             "--prompt-file PATH"
         )
     if prompt_file is not None:
-        try:
-            data = Path(prompt_file).expanduser().read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read --prompt-file {prompt_file}: {exc.strerror or exc}"
-            ) from None
-        text = data.decode("utf-8", "replace")
+        data = _read_file(prompt_file)
+        where = f"--prompt-file {prompt_file}"
     elif prompt == "-":
-        buffer = getattr(sys.stdin, "buffer", None)  # absent when a test swaps in a StringIO
-        text = (buffer.read() if buffer else sys.stdin.read().encode()).decode("utf-8", "replace")
+        data = _read_stdin()
+        where = "--prompt - (stdin)"
     else:
         assert prompt is not None
-        text = prompt
+        data = prompt.encode("utf-8", "surrogateescape")
+        where = "--prompt"
+    if len(data) > MAX_PROMPT_BYTES:
+        raise ConfigError(
+            f"{where}: the prompt is longer than {MAX_PROMPT_BYTES // 1024 // 1024} MiB, the "
+            "most a prompt may be"
+        )
+    text = data.decode("utf-8", "replace")
     if not text.strip():
         raise ConfigError("the prompt is empty")
     return text
+
+
+def _read_file(path: str) -> bytes:
+    """At most MAX_PROMPT_BYTES + 1 bytes of the file (one more tells it is too long)."""
+    try:
+        with Path(path).expanduser().open("rb") as file:
+            return file.read(MAX_PROMPT_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
+
+
+def _read_stdin() -> bytes:
+    """At most MAX_PROMPT_BYTES + 1 bytes of stdin."""
+    buffer = getattr(sys.stdin, "buffer", None)  # absent when a test swaps in a StringIO
+    if buffer is None:
+        return sys.stdin.read(MAX_PROMPT_BYTES + 1).encode("utf-8", "surrogateescape")
+    data: bytes = buffer.read(MAX_PROMPT_BYTES + 1)
+    return data

@@ -11,6 +11,9 @@ import signal
 import sys
 from typing import Any
 
+from fsm_kernel.cli.args import MAX_PROMPT_BYTES
+from fsm_kernel.errors import ConfigError
+
 __all__ = ["register"]
 
 EXIT_OK = 0
@@ -51,8 +54,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from fsm_kernel.config import default_store_location
 
     if args.json:
-        from fsm_kernel.errors import ConfigError
-
         raise ConfigError("chat talks to a person: it has no --json (use run --continue)")
     spec = load_spec(args.workflow)
     human = TerminalChannel() if interactive(False) else None
@@ -129,7 +130,17 @@ class _Stdin:
         self._ended = False
 
     async def line(self) -> str | None:
+        """The next line; None at the end of input.
+
+        Raises:
+            ConfigError: a line longer than a prompt may be (MAX_PROMPT_BYTES).
+        """
         while b"\n" not in self._buffer and not self._ended:
+            if len(self._buffer) > MAX_PROMPT_BYTES:
+                raise ConfigError(
+                    f"a line of input is longer than {MAX_PROMPT_BYTES // 1024 // 1024} MiB, "
+                    "the most a prompt may be"
+                )
             chunk = await self._chunk()
             if chunk:
                 self._buffer.extend(chunk)
