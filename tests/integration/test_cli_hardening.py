@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_kernel.store import SqliteEventStore
+from fsm_kernel.store import SqliteEventStore, open_store
 from tests.clikit import Outcome, cli
 from tests.fakes.openai_server import (
     FakeOpenAIServer,
@@ -230,6 +230,7 @@ def test_prompt_problems_are_usage_errors(
 def test_global_flags_work_before_or_after_the_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
+    open_store(tmp_path / "r.db").close()  # runs list reads an existing store only
     outcome = cli(capsys, [*argv, "--store", str(tmp_path / "r.db")])
 
     assert outcome.code == 0, outcome.err
