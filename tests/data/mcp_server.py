@@ -4,12 +4,14 @@
     python tests/data/mcp_server.py --http PORT     # streamable HTTP on 127.0.0.1:PORT/mcp
 
 Tools: add, echo, shout (a name another server shares), slow (sleeps), die (the process exits),
-whoami (over HTTP: the Authorization header it received)."""
+whoami (over HTTP: the SHA-256 of the Authorization header it received, which the client
+redacts wherever the header itself would appear)."""
 
 from __future__ import annotations
 
 import argparse
 import contextvars
+import hashlib
 import os
 import time
 from typing import Any
@@ -56,8 +58,9 @@ def die() -> str:
 
 @server.tool()
 def whoami() -> str:
-    """The Authorization header this request carried (HTTP only)."""
-    return (_headers.get() or {}).get("authorization", "(none)")
+    """The SHA-256 of the Authorization header this request carried (HTTP only)."""
+    header = (_headers.get() or {}).get("authorization")
+    return "(none)" if header is None else hashlib.sha256(header.encode()).hexdigest()
 
 
 def _http(port: int) -> None:

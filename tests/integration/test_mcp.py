@@ -6,6 +6,7 @@ error results, approval, and `fsm-kernel tools --workflow`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import subprocess
@@ -242,7 +243,7 @@ def test_a_streamable_http_server_gets_headers_from_the_environment_never_record
 
     assert done.code == 0, done.err
     sent = fake.requests[1]["messages"][-1]["content"]
-    assert sent == f"Bearer {secret}"  # the server got the header, expanded
+    assert sent == hashlib.sha256(f"Bearer {secret}".encode()).hexdigest()  # it got it expanded
     with SqliteEventStore(store) as events:
         log = events.read(done.json()["run_id"])
     assert secret not in json.dumps([e.data for e in log])  # the log never holds it
