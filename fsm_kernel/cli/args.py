@@ -28,10 +28,10 @@ TEXT_ARGUMENTS = frozenset({"prompt", "system_prompt", "input", "reject"})
 are not UTF-8 are replaced by U+FFFD. Every other string argument (paths, names, URLs) with
 such bytes is refused: guessing would name another file."""
 
-MAX_PROMPT_BYTES = 1024 * 1024
-"""The longest prompt taken, from any source (1 MiB, about 250,000 tokens: more than the
-context of most models). At most one byte more is read, so `--prompt-file /dev/zero` or an
-endless stdin is refused at once instead of filling the memory."""
+MAX_PROMPT_BYTES = 4 * 1024 * 1024
+"""The longest prompt taken, from any source: 4 MiB, about a million tokens, the context of
+the largest models. At most one byte more is read, so `--prompt-file /dev/zero` or an endless
+stdin is refused at once instead of filling the memory."""
 
 SHOWN_CHARS = 60
 """The most of a refused argument an error message repeats."""

@@ -54,7 +54,7 @@ def test_an_endless_prompt_file_is_refused_at_the_limit(tmp_path: Path) -> None:
                       str(tmp_path / "r.db"))  # fmt: skip
 
     assert_refused(
-        outcome, "error: --prompt-file /dev/zero: the prompt is longer than 1 MiB, the most"
+        outcome, "error: --prompt-file /dev/zero: the prompt is longer than 4 MiB, the most"
     )
     assert not (tmp_path / "r.db").exists()  # refused before anything was recorded
 
@@ -62,7 +62,7 @@ def test_an_endless_prompt_file_is_refused_at_the_limit(tmp_path: Path) -> None:
 def test_an_endless_prompt_on_stdin_is_refused_at_the_limit(tmp_path: Path) -> None:
     outcome = console("run", "default", "--prompt", "-", stdin=Path("/dev/zero"))
 
-    assert_refused(outcome, "error: --prompt - (stdin): the prompt is longer than 1 MiB")
+    assert_refused(outcome, "error: --prompt - (stdin): the prompt is longer than 4 MiB")
 
 
 def test_a_prompt_one_byte_over_the_limit_is_refused_and_one_at_it_runs(
@@ -78,7 +78,7 @@ def test_a_prompt_one_byte_over_the_limit_is_refused_and_one_at_it_runs(
     ran = console("run", "default", "--prompt-file", str(at), "--store", store,
                   "--base-url", server.base_url, "--json")  # fmt: skip
 
-    assert_refused(refused, "the prompt is longer than 1 MiB")
+    assert_refused(refused, "the prompt is longer than 4 MiB")
     assert ran.code == 0, ran.err
     assert server.requests[0]["messages"][-1]["content"] == "a" * MAX_PROMPT_BYTES
 
@@ -88,7 +88,7 @@ def test_an_endless_chat_line_ends_the_chat_with_one_line(tmp_path: Path) -> Non
                       stdin=Path("/dev/zero"))  # fmt: skip
 
     assert outcome.code == 2, outcome
-    assert "error: a line of input is longer than 1 MiB, the most a prompt may be" in outcome.err
+    assert "error: a line of input is longer than 4 MiB, the most a prompt may be" in outcome.err
 
 
 def test_an_undecodable_argument_is_echoed_by_its_start_and_size() -> None:
