@@ -1,0 +1,42 @@
+"""The README's testing-harness example runs as written from any folder: the test reads the
+code block out of README.md, so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SECTION = "## Testing workflows transition by transition"
+
+
+def readme_snippet() -> str:
+    """The first Python block of the README's section on the testing harness."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(SECTION) :]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert block is not None, f"no python block under {SECTION!r}"
+    return block.group(1)
+
+
+def test_the_readme_harness_example_passes_outside_the_repository(tmp_path: Path) -> None:
+    snippet = readme_snippet()
+    assert "WorkflowHarness(" in snippet
+    (tmp_path / "test_my_workflow.py").write_text(snippet, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_my_workflow.py", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,  # no workflows/ folder here: only what the package ships
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"\b3 passed\b", proc.stdout), proc.stdout
