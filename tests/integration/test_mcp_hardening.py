@@ -42,7 +42,7 @@ def raw(*args: str, **extra: Any) -> dict[str, Any]:
     return {"command": sys.executable, "args": [str(RAW), *args], **extra}
 
 
-def workflow(tmp_path: Path, servers: dict[str, Any], tools: list[Any]) -> Path:
+def workflow(tmp_path: Path, servers: dict[str, Any], tools: list[Any]) -> str:
     text = (ROOT / "workflows" / "default.yaml").read_text()
     text = text.replace("name: default", "name: mcp_hardening")
     text = text.replace(
@@ -51,7 +51,7 @@ def workflow(tmp_path: Path, servers: dict[str, Any], tools: list[Any]) -> Path:
     )
     path = tmp_path / "mcp.yaml"
     path.write_text(text)
-    return path
+    return str(path)
 
 
 def alive(pid: int) -> bool:
@@ -94,7 +94,7 @@ def test_registering_every_tool_of_a_server_is_linear(tmp_path: Path) -> None:
         finally:
             await servers.aclose()
 
-    (first, names), (_, again) = asyncio.run(register())
+    (_, names), (_, again) = asyncio.run(register())
 
     assert names == again == ["getenv", *(f"t{i}" for i in range(MAX_TOOLS_PER_SERVER - 1))]
     assert len(registry) == MAX_TOOLS_PER_SERVER
@@ -154,7 +154,7 @@ def test_a_line_on_stdout_that_is_not_json_rpc_is_skipped_with_one_line_no_trace
     path = workflow(tmp_path, {"s": raw("--banner", "Server v1 ready!")}, ["mcp:s"])
 
     listed = subprocess.run(
-        [sys.executable, "-m", "fsm_kernel", "tools", "--workflow", str(path)],
+        [sys.executable, "-m", "fsm_kernel", "tools", "--workflow", path],
         capture_output=True, text=True, timeout=50, cwd=tmp_path,
     )  # fmt: skip
 
@@ -187,10 +187,12 @@ def test_a_secret_given_to_a_server_and_echoed_by_its_tool_never_reaches_the_mod
 
     done = cli(
         capsys, "run", path, "-p", "go", "--base-url", fake.base_url, "--model", "m",
-        "--store", tmp_path / "r.db", "--max-retries", "0", "--json",
+        "--store", str(tmp_path / "r.db"), "--max-retries", "0", "--json",
     )  # fmt: skip
 
     assert done.code == 0, done.err
     results = [m["content"] for m in fake.requests[1]["messages"] if m["role"] == "tool"]
     assert results == ["[REDACTED]", "[REDACTED]", "warn"]  # too short to be a secret
-    assert literal not in json.dumps(fake.requests) and ours not in json.dumps(fake.requests)
+    sent = json.dumps(fake.requests)
+    assert literal not in sent
+    assert ours not in sent
