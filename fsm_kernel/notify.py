@@ -4,7 +4,8 @@ run ends, fails or waits for them, or a scheduler's dispatch fails.
 `Notifier` is a watcher like the CLI's progress printer: when a run it watches ends or
 suspends, it POSTs to each webhook whose `on:` matches, in the background (the run is never
 delayed, and a webhook that is down, slow or failing never fails it), retried with backoff
-(1 s, 2 s, 4 s ... after a failed attempt: a connection error, a timeout, any status but 2xx).
+(1 s, 2 s, 4 s ... after a failed attempt: a connection error, a timeout, any status but 2xx;
+`timeout_seconds` is a deadline for the whole attempt, the answer's last byte included).
 Each attempt is recorded in the run's log as a `notify.attempted` event (the URL as scheme and
 host only: a Slack webhook URL is a secret) after the run's ending. A child run
 (workflow.call, workflow.map) notifies nobody: its parent does.
@@ -210,7 +211,7 @@ class Notifier:
         attempts = hook.retries + 1
         async with httpx.AsyncClient(timeout=hook.timeout_seconds) as client:
             for attempt in range(1, attempts + 1):
-                status, error = await _post(client, url, body, headers)
+                status, error = await _post(client, url, body, headers, hook.timeout_seconds)
                 ok = status is not None and 200 <= status < 300
                 await self._record(
                     note, hook, attempt, status, error, final=ok or attempt == attempts
@@ -350,13 +351,20 @@ def _append_attempt(store: EventStore, run_id: str, data: dict[str, Any], clock:
 
 
 async def _post(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    seconds: float,
 ) -> tuple[int | None, str | None]:
     """(status, error) of one POST: a status for any answer, an error for no answer or 2xx
-    missing."""
+    missing. The whole attempt (connecting, sending, the answer's last byte) must end within
+    `seconds`: httpx's own timeout is per read, and a receiver that trickles its answer would
+    hold the attempt for as long as it liked."""
     try:
-        response = await client.post(url, json=body, headers=headers)
-    except httpx.TimeoutException:
+        async with asyncio.timeout(seconds):
+            response = await client.post(url, json=body, headers=headers)
+    except (httpx.TimeoutException, TimeoutError):
         return None, "timed out"
     except httpx.HTTPError as exc:
         return None, redact(f"{type(exc).__name__}: {exc}")[:200]
