@@ -293,13 +293,9 @@ class WorkflowCheck:
 
     def raise_first(self) -> WorkflowSpec:
         """The spec of a valid workflow; else raise the first error, all of them attached."""
-        if self.errors:
-            first = self.errors[0]
-            if len(self.errors) == 1:
-                raise first
-            raise type(first)(
-                first.message, location=first.location, errors=self.errors
-            ) from first.__cause__
+        from fsm_kernel.workflow.validate import raise_first
+
+        raise_first(self.errors)
         assert self.spec is not None  # a check without errors has a spec
         return self.spec
 
