@@ -21,10 +21,12 @@ redacted like the log. Span times are the events' own timestamps.
 
 Tracing is on when `--otel` (or `Agent(otel=True)`) asks for it, or when the standard
 environment does (`OTEL_TRACES_EXPORTER` or an `OTEL_EXPORTER_OTLP_*ENDPOINT`, unless
-`OTEL_SDK_DISABLED=true`). Spans go to the global TracerProvider when the application set one;
-otherwise fsm-kernel sets up the SDK with the OTLP/HTTP exporter, configured by the standard
-`OTEL_EXPORTER_OTLP_*` variables, and flushes it when the agent closes, waiting at most
-FLUSH_SECONDS: a collector that is down costs a warning, not a stalled exit.
+`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`). Spans go to the global TracerProvider
+when the application set one; otherwise fsm-kernel sets up the SDK with the exporters
+`OTEL_TRACES_EXPORTER` names (`otlp`, the default: OTLP/HTTP configured by the standard
+`OTEL_EXPORTER_OTLP_*` variables; `console`: to stderr; `none`), and flushes it when the agent
+closes, waiting at most FLUSH_SECONDS: a collector that is down or never answers costs a
+warning, not a stalled exit.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -43,30 +46,54 @@ from fsm_kernel.errors import ConfigError
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.redact import redact
 
-__all__ = ["RunTracer", "capture_content", "dispatch_span", "tracing_wanted"]
+__all__ = ["RunTracer", "capture_content", "dispatch_span", "exporter_names", "tracing_wanted"]
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 _ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_EXPORTERS = ("otlp", "console", "none")
 FLUSH_SECONDS = 3.0
 """How long closing an agent waits for its traces to reach the collector (the SDK's exporter
-retries for up to 10 s against one that is down)."""
+retries for up to 10 s against one that is down, and waits 10 s for one that never answers);
+the process's exit waits no longer than that again, and not at all once a flush gave up."""
 _CONTENT_CHARS = 8_000
 """The most characters of one message or tool result a span attribute takes."""
 
 
 def tracing_wanted(flag: bool | None, environ: Mapping[str, str] | None = None) -> bool:
-    """`flag` when given (--otel, Agent(otel=...)), else what the OTEL_* environment says."""
+    """`flag` when given (--otel, Agent(otel=...)), else what the OTEL_* environment says:
+    off with OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none, on with any other
+    OTEL_TRACES_EXPORTER or an OTLP endpoint."""
     env = os.environ if environ is None else environ
     if flag is not None:
         return flag
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter and exporter != "none":
-        return True
+    if exporter:
+        return exporter != "none"
     return any(env.get(name) for name in _ENDPOINT_ENVS)
+
+
+def exporter_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The span exporters OTEL_TRACES_EXPORTER names, as the SDK reads it: a comma-separated
+    list of `otlp` (the default), `console` (to stderr here: stdout carries the answer) and
+    `none` (no exporter).
+
+    Raises:
+        ConfigError: a name fsm-kernel does not export to.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    names = [n.strip() for n in value.split(",") if n.strip()] or ["otlp"]
+    for name in names:
+        if name not in _EXPORTERS:
+            raise ConfigError(
+                f"OTEL_TRACES_EXPORTER names {name!r}: fsm-kernel exports traces to "
+                + ", ".join(_EXPORTERS)
+            )
+    return [n for n in dict.fromkeys(names) if n != "none"]
 
 
 def capture_content(environ: Mapping[str, str] | None = None) -> bool:
@@ -99,41 +126,62 @@ def tracer_provider() -> tuple[Any, Callable[[], None] | None]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    exporters = [_exporter(name) for name in exporter_names()]
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "fsm-kernel")})
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # see stop()
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    flushed = threading.Event()  # set while the last flush finished in time
+    flushed.set()
+
+    def flush() -> None:
+        """Export the spans still pending, waiting at most FLUSH_SECONDS."""
+        if _within(provider.force_flush, FLUSH_SECONDS):
+            flushed.set()
+            return
+        flushed.clear()
+        logger.warning(
+            "traces not exported within %gs (is the OTLP collector at %s up?); "
+            "the spans still pending are dropped at exit",
+            FLUSH_SECONDS,
+            _endpoint(),
+        )
+
+    def stop() -> None:
+        # The SDK's own exit hook would wait for an export stuck on a collector that is down
+        # or never answers (10 s and more); this one waits FLUSH_SECONDS at most, and not at
+        # all after a flush that gave up. flush() has said what was not exported; the SDK's
+        # shutdown chatter adds nothing.
+        logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+        _within(provider.shutdown, FLUSH_SECONDS if flushed.is_set() else 0.0)
+
+    atexit.register(stop)
+    return provider, flush
+
+
+def _exporter(name: str) -> Any:
+    """The SDK's span exporter called `name` (see exporter_names)."""
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter(out=sys.stderr)
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise ConfigError(
             "exporting traces needs the OTLP exporter: pip install 'fsm-kernel[otel]'"
         ) from None
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "fsm-kernel")})
-    provider = TracerProvider(resource=resource)  # shuts itself down at exit (atexit)
-    exporter: Any = OTLPSpanExporter()  # its shutdown() is untyped
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    return OTLPSpanExporter()
 
-    def stop_retrying() -> None:
-        # Runs before the provider's own exit hook (atexit is last in, first out): a
-        # collector that is down would otherwise hold the exit through its retries (~10 s).
-        # flush() has said what was not exported; the SDK's shutdown chatter adds nothing.
-        logging.getLogger("opentelemetry").setLevel(logging.ERROR)
-        exporter.shutdown()
 
-    atexit.register(stop_retrying)
-
-    def flush() -> None:
-        """Export the spans still pending, waiting at most FLUSH_SECONDS."""
-        flushing = threading.Thread(target=provider.force_flush, name="otel-flush", daemon=True)
-        flushing.start()
-        flushing.join(FLUSH_SECONDS)
-        if flushing.is_alive():
-            logger.warning(
-                "traces not exported within %gs (is the OTLP collector at %s up?); "
-                "the spans still pending are dropped at exit",
-                FLUSH_SECONDS,
-                _endpoint(),
-            )
-
-    return provider, flush
+def _within(work: Callable[[], Any], seconds: float) -> bool:
+    """Run `work` on a daemon thread and wait at most `seconds` for it: whether it finished.
+    (A daemon thread left running never holds the process's exit.)"""
+    thread = threading.Thread(target=work, name="otel-export", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
 
 
 def _endpoint() -> str:
