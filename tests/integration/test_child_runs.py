@@ -569,6 +569,7 @@ def test_a_resumed_parent_keeps_the_ending_its_child_had(
         "  act: {action: tools.execute}\n"
         "  terminate: {final: true}\n"
         "transitions:\n"
+        "  - {source: hand_over, target: work, guard: child_failed}\n"  # goes on after a failure
         "  - {source: hand_over, target: work}\n"
         "  - {source: work, target: act, guard: has_tool_calls}\n"
         "  - {source: work, target: terminate, reason: final_answer}\n"
