@@ -368,16 +368,20 @@ class Agent:
         could not be reached, or waiting for a person) with the settings it recorded;
         `overrides` (the keyword arguments of Agent, e.g. `base_url=`) replace some and are
         recorded. A run that waits for a person needs `answer` (`HumanAnswer.approve()`,
-        `.reject("why")` or `.input("text")`, of the kind `result.waiting_for` names).
+        `.reject("why")` or `.input("text")`, of the kind `result.waiting_for` names). An
+        approval or rejection answers the tool call the run showed (`waiting_for["tool_call"]`);
+        `HumanAnswer.approve(call=result.waiting_for["tool_call"])` binds it to the call you
+        saw, so it is refused if the run now asks about another one.
 
         Raises:
             ConfigError: the agent has no store, or an unknown override.
-            AnswerError: a waiting run without its answer, or the wrong kind of answer.
+            AnswerError: a waiting run without its answer, the wrong kind of answer, or an
+                approval of another call than the one the run's log asks about (nothing runs).
             RunNotFoundError, ResumeError, RunLockedError: see `fsm_kernel.replay.resume_run`.
         """
         store = self._require_store("resume")
         run = RecordedRun.load(store, run_id)
-        check_answer(run, answer)  # before building anything
+        answer = check_answer(run, answer)  # before building anything
         given = _options(overrides)
         kernel = self._kernel(given.over(recorded_options(run.config())))
         await attach_mcp(kernel, self.spec, self._mcp)

@@ -35,6 +35,7 @@ __all__ = [
     "REDACTED",
     "REPLACEMENT",
     "encodable",
+    "find_lone_surrogate",
     "redact",
     "redact_data",
     "register_secret",
@@ -134,6 +135,12 @@ def encodable(text: str) -> str:
     if text.isascii() or _LONE_SURROGATE.search(text) is None:
         return text
     return _LONE_SURROGATE.sub(REPLACEMENT, text)
+
+
+def find_lone_surrogate(text: str) -> int:
+    """The index of the first lone surrogate in `text` (see `encodable`), or -1."""
+    found = None if text.isascii() else _LONE_SURROGATE.search(text)
+    return -1 if found is None else found.start()
 
 
 _LEAVES = frozenset({int, float, bool, type(None)})

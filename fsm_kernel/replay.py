@@ -338,8 +338,10 @@ async def resume_run(
         )
 
 
-def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> None:
-    """An answer is given exactly when the run waits for one, and of the kind it waits for.
+def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> HumanAnswer | None:
+    """An answer is given exactly when the run waits for one, and of the kind it waits for;
+    an approval answers the call the run showed (`waiting_for`), which must be the call its
+    log asks about. Returns the answer bound to that call (see `HumanAnswer.bound_to`).
 
     Raises:
         AnswerError: otherwise, naming what the run waits for and how to answer.
@@ -352,7 +354,7 @@ def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> None:
                 f"without {answer.flag}",
                 run_id=run.run_id,
             )
-        return
+        return None
     kind = str(waiting.get("kind"))
     if answer is None or answer.kind != kind:
         given = "no answer" if answer is None else answer.flag
@@ -361,6 +363,54 @@ def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> None:
             f"{given} given",
             run_id=run.run_id,
         )
+    shown = waiting.get("tool_call")
+    if not isinstance(shown, Mapping):
+        return answer
+    if not answer.answers(shown):
+        given_for = (
+            "the same call with other arguments"
+            if answer.tool_call_id == str(shown.get("id"))
+            else f"call {answer.tool_call_id}"
+        )
+        raise AnswerError(
+            f"run {run.run_id} waits for approval {_question_text(waiting)} (call "
+            f"{shown.get('id')}); this {answer.flag} was given for {given_for}: refused, "
+            "nothing was run",
+            run_id=run.run_id,
+        )
+    answer = answer.bound_to(shown)
+    if not waiting.get("child_run_id"):  # a child's log holds its calls: its resume checks
+        _check_asked(run, shown, answer)
+    return answer
+
+
+def _check_asked(run: RecordedRun, shown: Mapping[str, Any], answer: HumanAnswer) -> None:
+    """The call a run showed for approval is the one its log asks about: the call of that id
+    in its model's recorded replies, with the same name and the arguments `answer` (bound to
+    the call shown) approves."""
+    call_id = str(shown.get("id"))
+    asked = next(
+        (
+            call
+            for outcome in reversed(run.completions)
+            if isinstance(outcome, Completion)
+            for call in outcome.message.tool_calls
+            if call.id == call_id
+        ),
+        None,
+    )
+    if asked is None or asked.name != shown.get("name") or not answer.answers(asked):
+        found = "no such call" if asked is None else f"{asked.name}({_cut(asked.arguments_json())})"
+        raise AnswerError(
+            f"run {run.run_id} showed {shown.get('name')} call {call_id} for approval, but its "
+            f"log now asks about {found}: the log was changed after the run suspended; "
+            f"{answer.flag} refused, nothing was run",
+            run_id=run.run_id,
+        )
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _question_text(waiting: Mapping[str, Any]) -> str:
@@ -388,7 +438,7 @@ async def _resume_locked(
             "ended because the model server could not be reached, can be resumed",
             run_id=run.run_id,
         )
-    check_answer(run, answer)
+    answer = check_answer(run, answer)  # bound to the call the run showed
     reopened, run.terminated = run.terminated, None
     recorded_hash = run.started.data.get("workflow_hash")
     new_hash = kernel.spec.content_hash

@@ -7,12 +7,21 @@ either answers now (a person at a terminal) or raises `Suspended`: then the kern
 --approve/--reject/--input` (or `Agent.resume(..., answer=...)`) re-drives it from its log with
 the answer. Every answer is recorded as a `human.answered` event, so a re-drive serves the
 recorded answers first (`AnsweringChannel`) and never asks the same question twice.
+
+An approval is bound to the call it answers: its id and `arguments_digest` of the arguments the
+person was shown. A re-drive gives an approval (or a rejection) only to a question about that
+very call, so a log changed after the question was shown cannot make a person's "yes" run
+other arguments.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import getpass
+import hashlib
+import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +29,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from fsm_kernel.errors import AnswerError
 from fsm_kernel.protocol import ToolCall
+from fsm_kernel.redact import find_lone_surrogate, redact_data
 
 __all__ = [
     "AnsweringChannel",
@@ -29,11 +39,22 @@ __all__ = [
     "Question",
     "Suspended",
     "SuspendingChannel",
+    "arguments_digest",
     "default_by",
     "kind_text",
 ]
 
+logger = logging.getLogger(__name__)
+
 Kind = Literal["approval", "input"]
+
+
+def arguments_digest(arguments: Mapping[str, Any]) -> str:
+    """The sha256 of a call's arguments as a person is shown them (redacted, as every way out
+    shows them; canonical JSON: sorted keys), which an approval records to name what it
+    approves."""
+    shown = json.dumps(redact_data(dict(arguments)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(shown.encode()).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,14 +127,43 @@ class HumanAnswer:
     text: str = ""
     """approval: why it was rejected (may be empty); input: the text."""
     by: str = field(default_factory=default_by)
+    tool_call_id: str | None = None
+    """approval: the id of the call it answers; None until bound (see `bound_to`)."""
+    arguments_sha256: str | None = None
+    """approval: `arguments_digest` of the arguments it answers; None until bound."""
+
+    def __post_init__(self) -> None:
+        """Refuse text no store can record (a lone surrogate), before anything is recorded."""
+        for name in ("text", "by"):
+            value = getattr(self, name)
+            at = find_lone_surrogate(value)
+            if at >= 0:
+                raise AnswerError(
+                    f"the answer's {name} is not valid text: it holds {value[at]!a} at character "
+                    f"{at}, a lone surrogate, which UTF-8 cannot encode"
+                )
 
     @classmethod
-    def approve(cls, *, by: str | None = None) -> HumanAnswer:
-        return cls(kind="approval", approved=True, by=by or default_by())
+    def approve(
+        cls, *, by: str | None = None, call: ToolCall | Mapping[str, Any] | None = None
+    ) -> HumanAnswer:
+        """Approve the call a run waits for; `call` (a ToolCall, or `waiting_for["tool_call"]`
+        as the person saw it) binds the approval to that call: resume refuses it if the run
+        now asks about another one."""
+        answer = cls(kind="approval", approved=True, by=by or default_by())
+        return answer if call is None else answer.bound_to(call)
 
     @classmethod
-    def reject(cls, reason: str = "", *, by: str | None = None) -> HumanAnswer:
-        return cls(kind="approval", approved=False, text=reason, by=by or default_by())
+    def reject(
+        cls,
+        reason: str = "",
+        *,
+        by: str | None = None,
+        call: ToolCall | Mapping[str, Any] | None = None,
+    ) -> HumanAnswer:
+        """Reject the call a run waits for (`call`: as for `approve`)."""
+        answer = cls(kind="approval", approved=False, text=reason, by=by or default_by())
+        return answer if call is None else answer.bound_to(call)
 
     @classmethod
     def input(cls, text: str, *, by: str | None = None) -> HumanAnswer:
@@ -126,12 +176,35 @@ class HumanAnswer:
             return "--input"
         return "--approve" if self.approved else "--reject"
 
+    def bound_to(self, call: ToolCall | Mapping[str, Any]) -> HumanAnswer:
+        """This approval bound to `call` (its id and arguments); an answer already bound, or
+        one that is no approval, is returned as it is."""
+        if self.kind != "approval" or self.tool_call_id is not None:
+            return self
+        call_id, arguments = _id_and_arguments(call)
+        return dataclasses.replace(
+            self, tool_call_id=call_id, arguments_sha256=arguments_digest(arguments)
+        )
+
+    def answers(self, call: ToolCall | Mapping[str, Any]) -> bool:
+        """Whether this answer may be given to a question about `call`: it is bound to no call,
+        or to this one (the same id and arguments)."""
+        call_id, arguments = _id_and_arguments(call)
+        if self.tool_call_id is not None and self.tool_call_id != call_id:
+            return False
+        digest = self.arguments_sha256
+        return digest is None or digest == arguments_digest(arguments)
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "by": self.by}
         if self.kind == "approval":
             d["approved"] = self.approved
             if not self.approved:
                 d["reason"] = self.text
+            if self.tool_call_id is not None:
+                d["tool_call_id"] = self.tool_call_id
+            if self.arguments_sha256 is not None:
+                d["arguments_sha256"] = self.arguments_sha256
         else:
             d["text"] = self.text
         return d
@@ -140,12 +213,22 @@ class HumanAnswer:
     def from_dict(cls, d: dict[str, Any]) -> HumanAnswer:
         kind: Kind = "input" if d.get("kind") == "input" else "approval"
         text = d.get("text") if kind == "input" else d.get("reason")
+        call_id, digest = d.get("tool_call_id"), d.get("arguments_sha256")
         return cls(
             kind=kind,
             approved=bool(d.get("approved", False)),
             text=str(text or ""),
             by=str(d.get("by") or "unknown"),
+            tool_call_id=str(call_id) if call_id is not None and kind == "approval" else None,
+            arguments_sha256=str(digest) if digest is not None and kind == "approval" else None,
         )
+
+
+def _id_and_arguments(call: ToolCall | Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    if isinstance(call, ToolCall):
+        return call.id, call.arguments
+    arguments = call.get("arguments")
+    return str(call.get("id")), arguments if isinstance(arguments, Mapping) else {}
 
 
 class Suspended(Exception):
@@ -200,15 +283,36 @@ class AnsweringChannel:
         return given
 
     async def ask(self, question: Question) -> HumanAnswer:
-        if self._recorded:
+        """The next recorded answer, else the given one, else the live channel's. An approval
+        bound to another call than the one asked about is not given: the question goes to the
+        live channel (which suspends the run again, so it waits for the call it now asks)."""
+        if self._recorded and _fits(self._recorded[0], question):
             self.served += 1
             return self._recorded.pop(0)
-        if self._given is not None:
+        if self._recorded:  # the log was changed: a recorded "yes" is for another call
+            self._recorded.clear()
+        elif self._given is not None:
             given, self._given = self._given, None
             if given.kind != question.kind:
                 raise AnswerError(f"the run waits for {kind_text(question.kind)}, not {given.flag}")
-            return given
+            if _fits(given, question):
+                return given
         return await self.live.ask(question)
+
+
+def _fits(answer: HumanAnswer, question: Question) -> bool:
+    """Whether `answer` may answer `question`: an approval bound to another call may not."""
+    call = question.tool_call
+    if answer.kind != "approval" or call is None or answer.answers(call):
+        return True
+    logger.warning(
+        "an answer for tool call %s is not given to a question about call %s (%s): its "
+        "arguments or id differ from those the person was shown",
+        answer.tool_call_id,
+        call.id,
+        call.name,
+    )
+    return False
 
 
 def kind_text(kind: str) -> str:
@@ -237,7 +341,16 @@ class OffTheClock:
             deadline.reschedule(None)  # no deadline while a person decides
         started = loop.time()
         try:
-            return await self.channel.ask(question)
+            answer = await self.channel.ask(question)
         finally:
             if deadline is not None and when is not None:
                 deadline.reschedule(when + loop.time() - started)
+        call = question.tool_call
+        if call is None:
+            return answer
+        if not _fits(answer, question):
+            raise AnswerError(
+                f"an answer for tool call {answer.tool_call_id} was given to a question about "
+                f"call {call.id} ({call.name}): its arguments or id differ"
+            )
+        return answer.bound_to(call)  # recorded so: a re-drive gives it to this call only

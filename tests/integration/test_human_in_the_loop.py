@@ -6,6 +6,7 @@ the status in `runs list`."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import os
@@ -103,7 +104,8 @@ def test_approval_suspends_then_approve_runs_the_tool_once(
         "approved": True,
         "by": "alice",
         "state": "act",
-        "tool_call_id": "c1",
+        "tool_call_id": "c1",  # the call it approves, and the arguments the person was shown
+        "arguments_sha256": hashlib.sha256(b'{"path":"notes.txt"}').hexdigest(),
     }
     started = [e for e in log if e.type is EventType.TOOL_STARTED]
     assert [e.data["call"]["id"] for e in started] == ["c1"]  # exactly once
