@@ -8,6 +8,7 @@ collaborators passed in (see bootstrap.py for building them from configuration).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
-from fsm_kernel.errors import AgentError, FsmKernelError
+from fsm_kernel.errors import AgentError, ConfigError, FsmKernelError
 from fsm_kernel.protocol import (
     ChatModel,
     Clock,
@@ -30,6 +31,7 @@ from fsm_kernel.protocol import (
     new_id,
 )
 from fsm_kernel.recorder import RunRecorder
+from fsm_kernel.redact import find_lone_surrogate
 from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import ANSWER_SHOWN, is_truncated, iteration_record
@@ -218,7 +220,9 @@ class Kernel:
         parent_run_id: str | None = None,
         recorded_children: Sequence[str] = (),
     ) -> RunResult:
-        """Run the workflow on `prompt` until it terminates; never raises for run failures.
+        """Run the workflow on `prompt` until it terminates; never raises for run failures
+        (ConfigError, before anything is recorded, for a prompt, a system prompt or a history
+        that is not text: a lone surrogate such as "\\ud800", which no store can encode).
 
         `model` and `tools` replace the kernel's for this run only; `watch` sees this run's
         events and text deltas (besides `on_event`). Runs on one Kernel may go concurrently.
@@ -230,17 +234,18 @@ class Kernel:
         links a child run to its parent (in `run.started`); `recorded_children` is for replays.
         """
         run_id = run_id or new_id()
+        limits = limits or self.limits
+        started = self._started_data(prompt, limits)
+        if parent_run_id is not None:
+            started["parent_run_id"] = parent_run_id
+        if continues is not None:
+            started["continues"] = continues
+            started["history_messages"] = len(history)
+        elif history:  # given as messages: the log keeps them, for resume and replay
+            started["history"] = [m.to_dict() for m in history]
+        _require_text(started)  # before anything is recorded
         with self.lock(run_id):
             recorder = self.recorder(run_id, watch=watch)
-            limits = limits or self.limits
-            started = self._started_data(prompt, limits)
-            if parent_run_id is not None:
-                started["parent_run_id"] = parent_run_id
-            if continues is not None:
-                started["continues"] = continues
-                started["history_messages"] = len(history)
-            elif history:  # given as messages: the log keeps them, for resume and replay
-                started["history"] = [m.to_dict() for m in history]
             recorder.record(EventType.RUN_STARTED, started)
             ctx = self.new_context(
                 run_id,
@@ -381,6 +386,7 @@ class Kernel:
             state = machine.state
             await self._act(ctx, state, recorder)
             fired = await machine.advance()
+            _check_deadline(ctx)
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
             recorder.state = fired.target
@@ -547,6 +553,40 @@ async def _until_done(work: Awaitable[None]) -> None:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
+
+
+_TEXT_FIELDS = {"goal": "prompt", "system_prompt": "system prompt", "history": "history"}
+"""The text a caller gives a run (`run.started`'s keys), by the names the caller knows."""
+
+
+def _require_text(started: Mapping[str, Any]) -> None:
+    """Refuse text that no store can encode (a lone surrogate), naming where it is."""
+    for key, what in _TEXT_FIELDS.items():
+        value = started.get(key)
+        if value is None:
+            continue
+        text = value if isinstance(value, str) else _as_json(value)
+        at = find_lone_surrogate(text)
+        if at >= 0:
+            where = f" at character {at}" if text is value else ""
+            raise ConfigError(
+                f"the {what} is not valid text: it holds {text[at]!a}{where}, a lone "
+                "surrogate, which UTF-8 cannot encode (decode bytes with errors='replace')"
+            )
+
+
+def _as_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _check_deadline(ctx: RunContext) -> None:
+    """Raise TimeoutError if the run's deadline has passed. A step that kept the event loop
+    busy (CPU-bound work, a blocking call) gives `asyncio.timeout` no chance to fire before it
+    ends: the run still ends `timeout`, not as if it had finished in time."""
+    deadline = ctx.notes.deadline
+    when = deadline.when() if deadline is not None else None
+    if when is not None and asyncio.get_running_loop().time() >= when:
+        raise TimeoutError
 
 
 def _one_line(exc: Exception, state: str) -> str:
