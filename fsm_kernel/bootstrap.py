@@ -25,6 +25,7 @@ from fsm_kernel.agent.local import (
     is_local_model,
     local_model_available,
     resolve_gguf,
+    small_model_setting,
 )
 from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
 from fsm_kernel.errors import ConfigError, WorkflowValidationError
@@ -402,8 +403,8 @@ def chat_model_for(settings: AgentSettings, environ: Mapping[str, str] | None = 
         n_threads=_env_count(environ, "FSM_KERNEL_LOCAL_THREADS"),
         max_tokens=_env_count(environ, "FSM_KERNEL_LOCAL_MAX_TOKENS") or 512,  # a tiny model
         tool_choice=settings.tool_choice,
-        # The tiny bundled model calls a tool again instead of reading its result: it answers.
-        answer_after_result=settings.model == BUNDLED,
+        # A small model calls a tool again instead of reading its result: it answers.
+        answer_after_result=small_model_setting(environ),
     )
 
 

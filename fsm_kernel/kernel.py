@@ -455,7 +455,7 @@ class Kernel:
         if reason == TerminationReason.FATAL_TOOL_ERROR and error is None:
             error = ctx.fatal_error
         if self.spec.is_success(reason) and is_truncated(ctx):  # a cut-off answer is no success
-            reason, error = TerminationReason.TRUNCATED, TRUNCATED_ERROR
+            reason, error = TerminationReason.TRUNCATED, _truncated_error(ctx)
         elif self.spec.is_success(reason) and ctx.output_error is not None:  # nor a wrong one
             reason, error = TerminationReason.MALFORMED_OUTPUT, ctx.output_error
         if reason == TerminationReason.MALFORMED_OUTPUT and error is None:
@@ -594,6 +594,13 @@ def _one_line(exc: Exception, state: str) -> str:
     more = " …" if len(lines) > 1 else ""
     first = lines[0] if lines else ""
     return f"{type(exc).__name__}: {first}{more} (in state {state!r})"
+
+
+def _truncated_error(ctx: RunContext) -> str:
+    """TRUNCATED_ERROR, or the model's own `truncation_error` when it has one: the cap it
+    applies itself (the local model's FSM_KERNEL_LOCAL_MAX_TOKENS, not agent.max_tokens)."""
+    own = getattr(ctx.model, "truncation_error", None)
+    return own if isinstance(own, str) and own else TRUNCATED_ERROR
 
 
 def _malformed_error(ctx: RunContext) -> str | None:

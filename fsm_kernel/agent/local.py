@@ -7,6 +7,10 @@ by a GBNF grammar among `answer` and the offered tools' names; then, for a tool,
 generated under a grammar built from the tool's JSON schema. An answer is free text generated
 from the conversation without the tool list, or, given a `response_format` (structured output),
 JSON generated under a grammar built from its schema, with the schema in the system turn.
+
+Small models say one phrase over and over until the token cap: every generation is watched
+for such a loop and stopped at its third saying (a tool call's arguments caught in one are
+malformed output, fed back to the model; an answer keeps the text before the loop).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -37,7 +41,7 @@ from fsm_kernel.protocol import (
     ToolCall,
     Usage,
 )
-from fsm_kernel.streaming import emit_text, is_watched
+from fsm_kernel.streaming import emit_notice, emit_text, is_watched
 
 __all__ = [
     "BUNDLED",
@@ -47,6 +51,7 @@ __all__ = [
     "local_model_available",
     "render_turns",
     "resolve_gguf",
+    "small_model_setting",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +83,25 @@ _CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _OBJECT_SCHEMA = '{"type": "object"}'
+_SAMPLING: dict[str, Any] = {"temperature": 0.2, "top_k": 40, "top_p": 0.9, "min_p": 0.05}
+"""Sampling that suits a small model (SmolLM2's model card asks for temperature 0.2 and top_p
+0.9): greedy decoding repeats itself more. The fixed seed keeps each request's answer the same.
+The choice of a step is greedy still: the likeliest tool (or `answer`), never a close second."""
+_TEXT_REPEAT_PENALTY = 1.1
+"""For free text, a mild penalty on the last 64 tokens generated, against saying one phrase
+again and again. Never under a grammar: it twists JSON (a string's closing quote, penalised,
+gives way to stray characters), and the loop guard stops a loop there anyway."""
+_TEXT_SAMPLING: dict[str, Any] = {**_SAMPLING, "repeat_penalty": _TEXT_REPEAT_PENALTY}
+_LOOP_REPEATS = 3
+"""A loop is a stretch of tokens said this many times in a row..."""
+_LOOP_SPAN = 24
+"""...covering at least this many tokens (so that `0, 0, 0` or `---` are no loop)..."""
+_LOOP_PERIOD = 64
+"""...with a stretch of at most this many tokens."""
+SMALL_MODEL_PARAMETERS = 1_000_000_000
+"""Under this many parameters a model is small: after a successful tool result it answers."""
+_SMALL_MODEL_ENV = "FSM_KERNEL_LOCAL_SMALL_MODEL"
+_SMALL_MODEL_VALUES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 # --- resolving the model file -------------------------------------------------------------------
@@ -137,6 +161,20 @@ def resolve_gguf(model: str) -> Path:
         )
     _check_gguf(path)
     return path
+
+
+def small_model_setting(environ: Mapping[str, str]) -> bool | None:
+    """`answer_after_result` as FSM_KERNEL_LOCAL_SMALL_MODEL sets it: `on` True, `off` False,
+    `auto` or unset None (decided by the model's size when it loads).
+
+    Raises:
+        ConfigError: the variable holds anything else.
+    """
+    raw = environ.get(_SMALL_MODEL_ENV, "")
+    value = raw.strip().lower() or "auto"
+    if value not in _SMALL_MODEL_VALUES:
+        raise ConfigError(f"{_SMALL_MODEL_ENV}={raw!r} is not one of auto, on, off")
+    return _SMALL_MODEL_VALUES[value]
 
 
 def _check_gguf(path: Path) -> None:
@@ -218,6 +256,7 @@ def _route_llama_log(llama_cpp: Any) -> None:
 class _Generated:
     text: str
     finish_reason: str
+    """stop, length, or `loop`: stopped in a loop, `text` being what came before it."""
     usage: Usage
 
 
@@ -226,8 +265,8 @@ class LocalChatModel:
 
     The model is loaded once, on the first `complete()`. Calls are serialised (a llama.cpp
     context is not thread-safe) and run in a worker thread, so the event loop stays free.
-    Decoding is greedy (temperature 0) with a fixed seed: a request gets the same answer each
-    time.
+    Sampling suits a small model (`_SAMPLING`) and its seed is fixed: a request gets the same
+    answer each time. A generation caught in a loop is stopped at once (see the module's doc).
     """
 
     def __init__(
@@ -239,21 +278,27 @@ class LocalChatModel:
         max_tokens: int = 512,
         seed: int = 0,
         tool_choice: str = "auto",
-        answer_after_result: bool = False,
+        answer_after_result: bool | None = None,
     ) -> None:
         """Set the model up; nothing is loaded until the first `complete()`.
 
         Args:
             path: the GGUF file (see `resolve_gguf`).
             n_ctx: the context window in tokens, prompt and answer together.
-            n_threads: CPU threads for inference; None: one per CPU this process may use.
+            n_threads: CPU threads for inference; None: one fewer than the CPUs this process
+                may use (at least one). llama.cpp's threads wait for each other after every
+                step: when another program takes a core, a thread per core makes generation
+                several times slower (on 2 busy cores, 2 threads gave 1-8 tokens a second where
+                1 gave 15-50).
             max_tokens: the most tokens of one answer, or of one tool call's arguments.
             seed: the sampling seed.
             tool_choice: used when `complete()` is given none (TOOL_CHOICES or a tool's name).
             answer_after_result: right after a tool's successful result, answer in text (offer
                 no tool), from a focused prompt: the system prompt's first paragraph, the last
-                request and what followed it. Tiny models otherwise call a tool again, or lose
-                the result in a long prompt; on for the bundled model, a demonstration.
+                request and what followed it. Small models otherwise call a tool again, or lose
+                the result in a long prompt. None: on for a model of fewer than
+                SMALL_MODEL_PARAMETERS parameters (llama.cpp counts them when it loads the
+                file), whatever the file is called.
 
         Raises:
             ConfigError: a count is not a whole number >= 1.
@@ -264,11 +309,13 @@ class LocalChatModel:
             _check_count("n_threads", n_threads)
         self._path = Path(path)
         self._n_ctx = n_ctx
-        self._n_threads = n_threads or _usable_cpus()
+        self._n_threads = n_threads or max(_usable_cpus() - 1, 1)
         self._max_tokens = max_tokens
         self._seed = seed
         self._tool_choice = tool_choice
         self._answer_after_result = answer_after_result
+        self._small = False
+        """Whether the loaded model has fewer than SMALL_MODEL_PARAMETERS parameters."""
         self._llama: Any = None
         self._formatter: Any = None
         self._grammars: dict[str, Any] = {}
@@ -284,6 +331,24 @@ class LocalChatModel:
     def max_tokens(self) -> int:
         return self._max_tokens
 
+    @property
+    def truncation_error(self) -> str:
+        """Why a run whose answer this model cut off ended `truncated`, naming the cap in
+        force (the kernel shows it instead of its advice about `agent.max_tokens`)."""
+        return (
+            f"the answer was cut off by the local model's cap of {self._max_tokens} tokens per "
+            f'reply (finish_reason "length"); raise FSM_KERNEL_LOCAL_MAX_TOKENS (or '
+            "LocalChatModel's max_tokens), or ask for a shorter answer"
+        )
+
+    @property
+    def answers_after_result(self) -> bool:
+        """Whether, right after a successful tool result, it answers in text (see __init__);
+        for `answer_after_result=None`, known once the model has loaded."""
+        if self._answer_after_result is not None:
+            return self._answer_after_result
+        return self._small
+
     def describe(self) -> dict[str, Any]:
         """The settings that decide this model's answers, for the event log."""
         return {
@@ -294,7 +359,14 @@ class LocalChatModel:
             "max_tokens": self._max_tokens,
             "seed": self._seed,
             "tool_choice": self._tool_choice,
-            "answer_after_result": self._answer_after_result,
+            "answer_after_result": (
+                "auto" if self._answer_after_result is None else self._answer_after_result
+            ),
+            "sampling": {
+                **_SAMPLING,
+                "text_repeat_penalty": _TEXT_REPEAT_PENALTY,
+                "choice": "greedy",
+            },
         }
 
     async def __aenter__(self) -> LocalChatModel:
@@ -334,27 +406,22 @@ class LocalChatModel:
                 or `tool_choice` names a tool that is not offered.
         """
         plan = _Plan.make(tools, tool_choice or self._tool_choice, response_format)
-        if self._answer_after_result and plan.may_answer and _just_answered(messages):
-            plan = _Plan(tools=(), may_answer=True, response_format=response_format)
-            messages = _focused(messages)
         cancel = threading.Event()
         stream = _text_streamer() if is_watched() else None
+        turn = _Turn(self, messages, plan, cancel, stream)
         try:
-            return await asyncio.to_thread(self._complete_locked, messages, plan, cancel, stream)
+            completion = await asyncio.to_thread(self._complete_locked, turn)
         except asyncio.CancelledError:
             cancel.set()  # a thread cannot be killed: this stops its generation at the next token
             raise
+        for step, tokens in turn.loops:
+            emit_notice("loop_stopped", step=step, tokens=tokens)
+        return completion
 
-    def _complete_locked(
-        self,
-        messages: Sequence[Message],
-        plan: _Plan,
-        cancel: threading.Event,
-        stream: Callable[[str], None] | None = None,
-    ) -> Completion:
+    def _complete_locked(self, turn: _Turn) -> Completion:
         with self._lock:
             self._load()
-            return _Turn(self, messages, plan, cancel, stream).run()
+            return turn.run()
 
     def _load(self) -> None:
         if self._llama is not None:
@@ -373,6 +440,7 @@ class LocalChatModel:
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise self._error(f"cannot load the local model {str(self._path)!r}", exc) from None
+        self._small = 0 < _parameters(llama_cpp, llama) < SMALL_MODEL_PARAMETERS
         eos, bos = llama.token_eos(), llama.token_bos()
         self._formatter = llama_chat_format.Jinja2ChatFormatter(
             template=llama.metadata.get("tokenizer.chat_template") or _CHATML,
@@ -397,9 +465,10 @@ class LocalChatModel:
         max_tokens: int,
         cancel: threading.Event,
         stream: Callable[[str], None] | None = None,
+        sampling: Mapping[str, Any] = _SAMPLING,
     ) -> _Generated:
         """Complete the rendered conversation, the assistant's turn begun with `prefix`,
-        under a GBNF grammar when one is given."""
+        under a GBNF grammar when one is given (free text: `_TEXT_SAMPLING`)."""
         if cancel.is_set():
             raise self._error("the request was cancelled")
         formatted = self._format(turns)
@@ -414,25 +483,39 @@ class LocalChatModel:
                 f"the conversation ({len(tokens)} tokens) does not fit the local model's "
                 f"context of {self._n_ctx} tokens; raise n_ctx"
             )
-        stops = _import_llama_cpp().StoppingCriteriaList([lambda _ids, _logits: cancel.is_set()])
+        loop = _LoopGuard(len(tokens))
+        stops = _import_llama_cpp().StoppingCriteriaList(
+            [lambda _ids, _logits: cancel.is_set(), loop]
+        )
         if formatted.stopping_criteria is not None:
             stops.extend(formatted.stopping_criteria)
         try:
             result = self._llama.create_completion(
                 tokens,
                 max_tokens=min(max_tokens, room),
-                temperature=0.0,
                 seed=self._seed,
                 stop=formatted.stop,
                 stopping_criteria=stops,
                 grammar=self._grammar(grammar) if grammar is not None else None,
                 stream=stream is not None,
+                **(_TEXT_SAMPLING if grammar is None else sampling),
             )
             if stream is not None:
-                return _collect(result, stream, prompt_tokens=len(tokens))
+                generated = _collect(result, stream, prompt_tokens=len(tokens))
+            else:
+                generated = _generated(result)
         except (ValueError, RuntimeError) as exc:
             raise self._error("the local model failed", exc) from None
-        return _generated(result)
+        return self._before_loop(generated, loop)
+
+    def _before_loop(self, generated: _Generated, loop: _LoopGuard) -> _Generated:
+        """`generated` as it is, or, stopped in a loop, the text before the loop's second
+        saying (finish_reason `loop`)."""
+        if loop.cut is None:
+            return generated
+        kept = self._llama.detokenize(loop.tokens[: loop.cut], special=False)
+        text = kept.decode("utf-8", errors="ignore")
+        return _Generated(text=text, finish_reason="loop", usage=generated.usage)
 
     def _format(self, turns: list[dict[str, str]]) -> Any:
         import jinja2  # llama_cpp's dependency, for its chat templates
@@ -454,6 +537,51 @@ class LocalChatModel:
         return Completion(
             message=message, finish_reason=finish_reason, usage=usage, model=self._path.name
         )
+
+
+def _parameters(llama_cpp: Any, llama: Any) -> int:
+    """How many parameters the loaded model has, as llama.cpp counts them from the file's
+    tensors; 0 when it cannot say."""
+    try:
+        return max(int(llama_cpp.llama_model_n_params(llama.model)), 0)
+    except (AttributeError, TypeError, ValueError, OSError):
+        return 0
+
+
+class _LoopGuard:
+    """A stopping criterion that stops a generation caught in a loop: as soon as the tokens
+    generated end in one stretch said `_LOOP_REPEATS` times in a row (`_loop_cut`). It
+    keeps where the first saying ended, for the text worth keeping."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        """Where the generated tokens begin among the context's (after the prompt)."""
+        self.tokens: list[int] = []
+        self.cut: int | None = None
+
+    def __call__(self, input_ids: Any, _logits: Any) -> bool:
+        if self.cut is None:
+            self.tokens = [int(t) for t in input_ids[self.start :]]
+            self.cut = _loop_cut(self.tokens)
+        return self.cut is not None
+
+
+def _loop_cut(tokens: Sequence[int]) -> int | None:
+    """If `tokens` end in a loop, where its first saying ends; else None.
+
+    A loop is a stretch of at most `_LOOP_PERIOD` tokens said `_LOOP_REPEATS` times in a row,
+    the repetition covering at least `_LOOP_SPAN` tokens. Called after every token, so the
+    repetition is found when it first reaches that size: only the last tokens are compared,
+    each stretch length giving up at its first difference.
+    """
+    n = len(tokens)
+    for period in range(1, min(_LOOP_PERIOD, n // _LOOP_REPEATS) + 1):
+        span = max(period * _LOOP_REPEATS, _LOOP_SPAN)
+        if span > n:
+            break
+        if all(tokens[i] == tokens[i - period] for i in range(n - 1, n - span + period - 1, -1)):
+            return n - span + period
+    return None
 
 
 def _token_text(llama: Any, token: int) -> str:
@@ -589,19 +717,36 @@ class _Turn:
     ) -> None:
         self.model, self.messages, self.plan, self.cancel = model, messages, plan, cancel
         self.stream = stream
-        """Where the answer's text goes as it is generated (the choice and arguments never)."""
+        """Where the text goes as it is generated: an answer's, and a tool call's as
+        `Tool call: name({...})` (the choice of a step never)."""
         self.usage = Usage()
+        self.loops: list[tuple[str, int]] = []
+        """The generations stopped in a loop: (`answer` or `arguments`, tokens generated)."""
 
     def run(self) -> Completion:
+        """Called with the model loaded (whether it is small is known)."""
+        if self.model.answers_after_result and self._just_answered():
+            return self._answer()
         if not self.plan.tools:
             return self._answer()
         choice = self._choose()
         tool = next((t for t in self.plan.tools if t.name == choice), None)
         return self._call(tool) if tool is not None else self._answer()
 
-    def _generate(self, turns: list[dict[str, str]], **kwargs: Any) -> _Generated:
+    def _just_answered(self) -> bool:
+        """A tool's successful result ends the conversation and the model may answer: the
+        request becomes an answer from the focused conversation (see LocalChatModel)."""
+        if not (self.plan.may_answer and _just_answered(self.messages)):
+            return False
+        self.plan = _Plan(tools=(), may_answer=True, response_format=self.plan.response_format)
+        self.messages = _focused(self.messages)
+        return True
+
+    def _generate(self, turns: list[dict[str, str]], step: str, **kwargs: Any) -> _Generated:
         generated = self.model._generate_locked(turns, cancel=self.cancel, **kwargs)
         self.usage = self.usage + generated.usage
+        if generated.finish_reason == "loop":
+            self.loops.append((step, generated.usage.completion_tokens))
         return generated
 
     def _tool_turns(self) -> list[dict[str, str]]:
@@ -617,7 +762,11 @@ class _Turn:
             return choices[0]
         grammar = "root ::= " + " | ".join(_gbnf_literal(c) for c in choices)
         picked = self._generate(
-            self._tool_turns(), grammar=grammar, max_tokens=_CHOICE_TOKENS
+            self._tool_turns(),
+            "choice",
+            grammar=grammar,
+            max_tokens=_CHOICE_TOKENS,
+            sampling={"temperature": 0.0},
         ).text.strip()
         if picked in choices:
             return picked
@@ -625,14 +774,21 @@ class _Turn:
         return next((c for c in choices if picked and c.startswith(picked)), choices[0])
 
     def _call(self, tool: Tool) -> Completion:
+        prefix = f"{_CALL_PREFIX}{tool.name}("
+        if self.stream is not None:  # progress: the arguments take the most time
+            self.stream(prefix)
         generated = self._generate(
             self._tool_turns(),
-            prefix=f"{_CALL_PREFIX}{tool.name}(",
+            "arguments",
+            prefix=prefix,
             grammar=_arguments_grammar(tool.parameters),
             max_tokens=self.model.max_tokens,
+            stream=self.stream,
         )
-        call = _parse_call(tool.name, generated.text, self.model.max_tokens)
-        finish = "length" if call.arguments_error else "tool_calls"
+        if self.stream is not None:
+            self.stream(")")
+        call = _parse_call(tool.name, generated, self.model.max_tokens)
+        finish = "length" if generated.finish_reason == "length" else "tool_calls"
         return self.model._completion(Message.assistant("", [call]), finish, self.usage)
 
     def _answer(self) -> Completion:
@@ -644,6 +800,7 @@ class _Turn:
             grammar = _json_grammar(fmt.schema)
         generated = self._generate(
             render_turns(messages),
+            "answer",
             grammar=grammar,
             max_tokens=self.model.max_tokens,
             stream=self.stream,
@@ -653,14 +810,25 @@ class _Turn:
         return self.model._completion(message, finish, self.usage)
 
 
-def _parse_call(name: str, text: str, max_tokens: int) -> ToolCall:
-    raw = text.strip()
+def _parse_call(name: str, generated: _Generated, max_tokens: int) -> ToolCall:
+    """The tool call the arguments make; malformed (`arguments_error`, which the kernel feeds
+    back to the model) when they went round in a loop or were cut off."""
+    raw = generated.text.strip()
+    if generated.finish_reason == "loop":
+        error = (
+            "the arguments went round in a loop (the same words again and again) and were "
+            f"stopped after {generated.usage.completion_tokens} tokens; say each thing once"
+        )
+        return ToolCall(id=new_call_id(), name=name, raw_arguments=raw, arguments_error=error)
     try:
         # strict=False: the schema grammar lets raw control characters (\n) into strings.
         arguments = json.loads(raw, strict=False) if raw else {}
     except json.JSONDecodeError:
         # The grammar admits whole JSON values only: these were cut off by max_tokens.
-        error = f"the arguments were cut off at max_tokens={max_tokens}; raise it"
+        error = (
+            f"the arguments were cut off at the local model's cap of {max_tokens} tokens "
+            "(FSM_KERNEL_LOCAL_MAX_TOKENS)"
+        )
     else:
         if isinstance(arguments, dict):
             return ToolCall(id=new_call_id(), name=name, arguments=arguments)
