@@ -17,6 +17,7 @@ from fsm_kernel.workflow.children import (
     CallPool,
     ChildRequest,
     ChildResult,
+    ChildRunError,
     TemplateError,
     bounded_limits,
     charge_shared_calls,
@@ -31,6 +32,7 @@ from fsm_kernel.workflow.children import (
 )
 from fsm_kernel.workflow.context import RunContext, RunServices
 from fsm_kernel.workflow.human import Suspended
+from fsm_kernel.workflow.limits import MAX_CALL_DEPTH
 from fsm_kernel.workflow.spec import Limits, StateSpec, TransitionSpec, WorkflowSpec
 
 
@@ -690,3 +692,74 @@ def test_a_call_the_log_already_holds_is_counted_never_refused() -> None:
     assert (caught_up, spent, drawn) == (None, 2, 2)
     assert live is not None
     assert "are spent" in live
+
+
+# --- bounds: max_items, MAX_CALL_DEPTH, a failure nobody routes ----------------------------
+
+
+def test_a_map_over_max_items_records_no_child_and_starts_none() -> None:
+    runner = FakeRunner(lambda r: result(r.run_id))
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs")
+    default, events = context(runner, state=state, scratch={"xs": list(range(101))})
+    with pytest.raises(ChildRunError, match=r"given 101 items \(scratch.xs\), more than its "
+                                            r"max_items = 100: no child was started$"):  # fmt: skip
+        asyncio.run(workflow_map(default))
+    assert (events, runner.requests, default.notes.children_started) == ([], [], 0)
+
+    own = StateSpec(action="workflow.map", workflow="w", items="scratch.xs", max_items=2)
+    small, _ = context(runner, state=own, scratch={"xs": ["a", "b"]})
+    asyncio.run(workflow_map(small))
+    assert len(runner.requests) == 2
+
+
+@pytest.mark.parametrize("action", ["workflow.call", "workflow.map"])
+def test_calls_nest_at_most_max_call_depth_deep(action: str) -> None:
+    """Each child run starts another (a call, or a map of one item) until one is refused."""
+    levels: list[int] = []
+    refusal: list[BaseException] = []
+
+    async def deeper(request: ChildRequest) -> ChildResult:
+        levels.append(len(levels) + 1)
+        state = StateSpec(action=action, workflow="w", items="scratch.xs")
+        ctx, events = context(runner, state=state, scratch={"xs": ["one"]})
+        try:
+            await (workflow_call if action == "workflow.call" else workflow_map)(ctx)
+        except ChildRunError as exc:
+            refusal.append(exc)
+            assert events == []  # refused before the child was recorded
+        return result(request.run_id)
+
+    runner = type("Deeper", (), {"run": staticmethod(deeper)})()
+    top, _ = context(runner, state=StateSpec(action=action, workflow="w", items="scratch.xs"),
+                     scratch={"xs": ["one"]})  # fmt: skip
+    asyncio.run((workflow_call if action == "workflow.call" else workflow_map)(top))
+
+    assert levels[-1] == MAX_CALL_DEPTH  # the runs at depths 1 … 32 ran; none deeper
+    (error,) = refusal
+    assert str(error).endswith(
+        "this run is already 32 workflow calls deep, the most calls may nest (MAX_CALL_DEPTH = 32)"
+    )
+
+
+def test_a_failed_child_fails_a_state_that_does_not_route_on_it() -> None:
+    failing = FakeRunner(lambda r: result(r.run_id, ok=False, error="x" * 5000))
+    ctx, events = context(failing, state=StateSpec(action="workflow.call", workflow="w"),
+                          routed=False)  # fmt: skip
+    with pytest.raises(ChildRunError) as info:
+        asyncio.run(workflow_call(ctx))
+    run_id = failing.requests[0].run_id
+    assert str(info.value) == (
+        "state 'work': its child did not succeed and no edge of the state routes child_failed; "
+        f"the child run {run_id} (step) ended tool_failures: …" + "x" * 600
+    )
+    assert EventType.CHILD_FINISHED in [t for t, _ in events]  # its outcome is recorded first
+    assert ctx.session.messages()[-1].content.startswith("The workflow 'w'")
+
+    some = FakeRunner(lambda r: result(r.run_id, ok=r.prompt != "b", error="b broke"))
+    state = StateSpec(action="workflow.map", workflow="w", items="scratch.xs")
+    mapped, _ = context(some, state=state, scratch={"xs": ["a", "b", "c"]}, routed=False)
+    with pytest.raises(ChildRunError, match=r"1 of 3 children did not succeed .* b broke$"):
+        asyncio.run(workflow_map(mapped))
+    routed, _ = context(some, state=state, scratch={"xs": ["a", "b", "c"]})
+    asyncio.run(workflow_map(routed))
+    assert child_failed(routed)
