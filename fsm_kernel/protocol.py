@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "ChatModel",
     "Clock",
     "Completion",
@@ -35,8 +36,30 @@ __all__ = [
     "ToolExecutor",
     "ToolResult",
     "Usage",
+    "nests_deeper",
     "new_id",
 ]
+
+MAX_JSON_DEPTH = 100
+"""How deeply a tool call's arguments may nest objects and arrays (the arguments object is
+level 1). Deeper arguments are malformed output, whichever model sent them: no tool needs
+them, and every walk of them (redaction, the event log, the tools' validation) stays far from
+Python's recursion limit."""
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests lists and dicts more than `limit` levels deep (level by level, no
+    recursion, so any depth is measured)."""
+    level, depth = [value], 0
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = [x for c in containers for x in (c.values() if isinstance(c, dict) else c)]
+    return False
 
 
 def new_id() -> str:
@@ -59,6 +82,10 @@ class Role(StrEnum):
     TOOL = "tool"
 
 
+TOO_DEEP = f"arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+"""The `arguments_error` of a call whose arguments nest deeper than MAX_JSON_DEPTH."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ToolCall:
     """One tool call requested by the model."""
@@ -71,6 +98,12 @@ class ToolCall:
     """The arguments exactly as the server sent them, when they were not valid JSON."""
     arguments_error: str | None = None
     """Why the arguments could not be parsed; a reply with such a call is malformed output."""
+
+    def __post_init__(self) -> None:
+        # Whatever model made the call (a server, the local model, your own ChatModel).
+        if self.arguments_error is None and nests_deeper(self.arguments, MAX_JSON_DEPTH):
+            object.__setattr__(self, "arguments", {})
+            object.__setattr__(self, "arguments_error", TOO_DEEP)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "name": self.name, "arguments": self.arguments}

@@ -20,6 +20,8 @@ from typing import Any
 
 from fsm_kernel.errors import AgentResponseError
 from fsm_kernel.protocol import (
+    MAX_JSON_DEPTH,
+    TOO_DEEP,
     TOOL_CHOICES,
     Completion,
     Message,
@@ -28,6 +30,7 @@ from fsm_kernel.protocol import (
     Tool,
     ToolCall,
     Usage,
+    nests_deeper,
 )
 from fsm_kernel.redact import encodable
 
@@ -387,9 +390,7 @@ def _parse_arguments(raw: Any) -> tuple[dict[str, Any], str | None, str | None]:
     """(arguments, raw_arguments, arguments_error). Never raises."""
     if raw is None:
         return {}, None, None
-    if isinstance(raw, dict):  # llama.cpp #20198, Ollama native
-        if _nests_deeper(raw, MAX_JSON_DEPTH):
-            return {}, None, _TOO_DEEP
+    if isinstance(raw, dict):  # llama.cpp #20198, Ollama native (ToolCall checks its depth)
         return raw, None, None
     if not isinstance(raw, str):
         return {}, _canonical_json(raw), f"arguments are a JSON {_json_type(raw)}, not an object"
@@ -403,8 +404,8 @@ def _parse_arguments(raw: Any) -> tuple[dict[str, Any], str | None, str | None]:
         return {}, None, None
     if not isinstance(parsed, dict):
         return {}, raw, f"arguments are a JSON {_json_type(parsed)}, not an object"
-    if _nests_deeper(parsed, MAX_JSON_DEPTH):
-        return {}, raw, _TOO_DEEP
+    if nests_deeper(parsed, MAX_JSON_DEPTH):
+        return {}, raw, TOO_DEEP
     return parsed, None, None
 
 
@@ -424,17 +425,11 @@ def _json_type(value: Any) -> str:
 
 # --- JSON within bounds -------------------------------------------------------------------------
 
-MAX_JSON_DEPTH = 100
-"""How deeply a tool call's arguments may nest objects and arrays (the arguments object is
-level 1). Deeper arguments are malformed output: no tool needs them, and every walk of them
-(redaction, the event log, the tools' validation) stays far from Python's recursion limit."""
-
 _READ_DEPTH = 200
 """How deep `loads_json` reads: a container nested deeper is read as null. A reply's envelope
 (choices, message, tool_calls, function) takes 7 levels, so arguments cut here still nest past
 MAX_JSON_DEPTH, and are malformed."""
 
-_TOO_DEEP = f"arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels"
 _STRUCTURE = re.compile(r'["\[\]{}]')
 _STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _SURROGATE_TEXT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
@@ -455,7 +450,7 @@ def loads_json(text: str | bytes) -> Any:
     except RecursionError:
         value = _loads_cut(text)
     else:
-        if _opens(text) > _READ_DEPTH and _nests_deeper(value, _READ_DEPTH):
+        if _opens(text) > _READ_DEPTH and nests_deeper(value, _READ_DEPTH):
             value = _loads_cut(text)  # read whole, but too deep for the walks that follow
     surrogate = _SURROGATE_BYTES if isinstance(text, bytes) else _SURROGATE_TEXT
     if surrogate.search(text):  # type: ignore[arg-type]  # the pattern matches the text's type
@@ -504,21 +499,6 @@ def _cut_deeper(text: str, limit: int) -> str:
     if kept >= 0:  # else it ended inside a cut container: not JSON, and stays so
         parts.append(text[kept:])
     return "".join(parts)
-
-
-def _nests_deeper(value: Any, limit: int) -> bool:
-    """Whether `value` nests arrays and objects more than `limit` levels deep (level by level,
-    no recursion)."""
-    level, depth = [value], 0
-    while level:
-        containers = [v for v in level if isinstance(v, dict | list)]
-        if not containers:
-            return False
-        depth += 1
-        if depth > limit:
-            return True
-        level = [x for c in containers for x in (c.values() if isinstance(c, dict) else c)]
-    return False
 
 
 def _repaired(value: Any) -> Any:

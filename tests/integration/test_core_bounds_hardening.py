@@ -29,8 +29,7 @@ import pytest
 
 import fsm_kernel
 from fsm_kernel import Agent, AnswerError, ConfigError, HumanAnswer
-from fsm_kernel.agent.wire import MAX_JSON_DEPTH
-from fsm_kernel.protocol import Completion, Event, EventType, Message, Tool
+from fsm_kernel.protocol import MAX_JSON_DEPTH, Completion, Event, EventType, Message, Tool
 from fsm_kernel.replay import RecordedRun
 from fsm_kernel.store import open_store
 from fsm_kernel.testing import ScriptedChatModel, call
@@ -175,6 +174,33 @@ def test_arguments_nested_5000_deep_are_malformed_output_fed_back_not_a_crash(
     assert finished.data["malformed"] is True
     assert not of_type(log, EventType.TOOL_STARTED)  # the call never ran
     assert of_type(log, EventType.ITERATION_COMPLETED)[0].data["decision"] == "malformed"
+
+
+def test_deep_arguments_from_any_chat_model_are_malformed_output_too(tmp_path: Path) -> None:
+    """The local model and your own ChatModel make ToolCalls without the wire: the depth limit
+    is the ToolCall's, so redaction and the store never walk 5,000 levels."""
+    deep: Any = 1
+    for _ in range(5_000):
+        deep = {"a": deep}
+    model = ScriptedChatModel([call("datetime", deep, id="c1"), "It is noon."])
+    store = tmp_path / "runs.db"
+
+    async def main() -> fsm_kernel.RunResult:
+        async with Agent("default", chat_model=model, store=store) as agent:
+            return await agent.run("What time is it?")
+
+    result = asyncio.run(main())
+
+    assert (result.termination_reason, result.response) == ("final_answer", "It is noon."), (
+        result.error
+    )
+    fed_back = model.requests[1].last_message
+    assert fed_back is not None
+    assert fed_back.content.startswith(
+        "error: your reply was not executed: tool call 'datetime' has arguments that are not "
+        f"JSON: arguments nest objects and arrays deeper than {MAX_JSON_DEPTH} levels."
+    )
+    assert status_of(store, result.run_id) == "ended"
 
 
 def test_arguments_at_the_depth_limit_reach_the_tool_through_redaction_store_and_validation(

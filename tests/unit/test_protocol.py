@@ -66,6 +66,24 @@ def test_arguments_json_is_canonical_or_the_raw_text() -> None:
     assert BAD_CALL.arguments_json() == '{"tz": '
 
 
+def test_arguments_nested_past_the_limit_make_a_malformed_call_whoever_built_it() -> None:
+    def nested(depth: int) -> dict[str, Any]:
+        value: Any = 1
+        for _ in range(depth - 1):
+            value = [value] if _ % 2 else {"a": value}
+        return {"a": value}
+
+    at_limit = ToolCall(id="c1", name="f", arguments=nested(protocol.MAX_JSON_DEPTH))
+    too_deep = ToolCall(id="c2", name="f", arguments=nested(protocol.MAX_JSON_DEPTH + 1))
+    very_deep = ToolCall(id="c3", name="f", arguments=nested(50_000))  # no RecursionError
+
+    assert at_limit.arguments_error is None
+    assert at_limit.arguments == nested(protocol.MAX_JSON_DEPTH)
+    for call in (too_deep, very_deep):
+        assert (call.arguments, call.arguments_error) == ({}, protocol.TOO_DEEP)
+        assert ToolCall.from_dict(call.to_dict()) == call
+
+
 @pytest.mark.parametrize(
     "message",
     [
