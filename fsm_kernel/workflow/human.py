@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from fsm_kernel.errors import AnswerError
 from fsm_kernel.protocol import ToolCall
-from fsm_kernel.redact import find_lone_surrogate, redact_data
+from fsm_kernel.redact import encodable, find_lone_surrogate, redact_data
 
 __all__ = [
     "AnsweringChannel",
@@ -110,7 +110,7 @@ def default_by() -> str:
     """Who answers when nobody says: the USER environment variable (else the login name)."""
     user = os.environ.get("USER")
     if user:
-        return user
+        return encodable(user)  # undecodable bytes in the environment read as surrogates
     try:
         return getpass.getuser()
     except (OSError, KeyError):  # no passwd entry in a container

@@ -293,6 +293,18 @@ def test_an_answer_that_is_not_text_is_refused_and_the_run_still_waits(tmp_path:
     assert then == "input"  # the good answer went through: the person is asked how to go on
 
 
+def test_a_user_name_with_undecodable_bytes_answers_as_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python reads bytes of the environment that are not UTF-8 as lone surrogates: the
+    default `by` ($USER) is repaired, not a reason to refuse the person's answer."""
+    monkeypatch.setenv("USER", "al\udcffice")
+
+    assert HumanAnswer.approve().by == "al\ufffdice"
+    with pytest.raises(AnswerError, match="the answer's by is not valid text"):
+        HumanAnswer.approve(by="al\udcffice")  # given explicitly: refused, as any text
+
+
 # --- an approval is bound to the call it showed -------------------------------------------------
 
 
