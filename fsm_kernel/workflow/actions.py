@@ -250,6 +250,8 @@ async def _summarize(ctx: RunContext, older: Sequence[Message]) -> None:
         Message.system(_SUMMARIZE.format(words=_SUMMARY_WORDS)),
         Message.user("\n\n".join(lines)),
     ]
+    if ctx.context_window is not None:  # this request keeps to the window too
+        request = fit(request, ctx.context_window).messages
     ctx.iteration += 1
     charge_shared_calls(1, ctx)
     ctx.record(

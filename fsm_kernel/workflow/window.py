@@ -5,6 +5,11 @@ fit, the session itself is never changed, so a resume or a replay (which rebuild
 conversation) send the same requests. The kernel records what was shortened or dropped as a
 `context.trimmed` event.
 
+The window is a hard limit (a server rejects a prompt over its context, or silently cuts it):
+when the strategy cannot make the request fit (the turns it keeps whole are over the window by
+themselves), `_cut_to_fit` shortens what is left, the latest tool results included, each with a
+note of how much was cut, then drops even the latest turns.
+
 Token counts are estimates: 4 characters a token, plus 4 tokens a message (its role and
 framing), plus the tool calls' names and arguments. When the server reported the prompt tokens
 of the previous request, the estimate is scaled by how far off it was then."""
@@ -26,6 +31,8 @@ _CHARS_PER_TOKEN = 4
 _PER_MESSAGE = 4
 _SHORTENED_CHARS = 200
 """What a shortened tool result keeps of its text."""
+_CUT_NOTE = "[cut {cut} of {total} characters to fit the context window]"
+"""Ends a message the window shortened as a last resort."""
 
 
 def estimate_tokens(messages: Sequence[Message]) -> int:
@@ -50,19 +57,24 @@ class Fitted:
     """Tool call ids whose results were shortened."""
     dropped: int = 0
     """Messages left out."""
+    cut: int = 0
+    """Messages other than tool results shortened to fit (the last resort)."""
 
     @property
     def changed(self) -> bool:
-        return bool(self.shortened or self.dropped)
+        return bool(self.shortened or self.dropped or self.cut)
 
     def to_dict(self, strategy: str) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "strategy": strategy,
             "estimated_tokens_before": self.before,
             "estimated_tokens_after": self.after,
             "shortened_tool_results": self.shortened,
             "dropped_messages": self.dropped,
         }
+        if self.cut:
+            data["cut_messages"] = self.cut
+        return data
 
 
 def fit(messages: list[Message], spec: ContextSpec, scale: float = 1.0) -> Fitted:
@@ -83,7 +95,81 @@ def fit(messages: list[Message], spec: ContextSpec, scale: float = 1.0) -> Fitte
             return Fitted(out, before, size(out), shortened=shortened)
     # drop_oldest, or shortening was not enough: the oldest turns go
     out, dropped = _drop_oldest(out, spec, size)
-    return Fitted(out, before, size(out), shortened=shortened, dropped=dropped)
+    if size(out) <= spec.max_tokens:
+        return Fitted(out, before, size(out), shortened=shortened, dropped=dropped)
+    out, ids, more, cut = _cut_to_fit(out, spec, scale)
+    shortened += [i for i in ids if i not in shortened]
+    return Fitted(out, before, size(out), shortened, dropped + more, cut)
+
+
+def _cut_to_fit(
+    messages: list[Message], spec: ContextSpec, scale: float
+) -> tuple[list[Message], list[str], int, int]:
+    """The last resort, when what the strategy keeps is over the window by itself: shorten the
+    tool results (oldest first, the latest too), then the other messages after the goal, each
+    to what the window leaves it; then drop turns, the latest too; then shorten the goal and
+    the system prompt. Returns the messages, the tool call ids shortened, the messages dropped
+    and the others shortened."""
+    head = _split(messages)[0]
+    after_goal = range(len(head), len(messages))
+    tools = [i for i in after_goal if messages[i].role is Role.TOOL]
+    others = [i for i in after_goal if messages[i].role is not Role.TOOL]
+    out, cut = _cut_in_order(messages, [*tools, *others], spec, scale)
+    ids = [out[i].tool_call_id or "" for i in cut if out[i].role is Role.TOOL]
+    changed = len(cut) - len(ids)
+    dropped = 0
+    if _over(out, spec, scale) > 0:
+        out, dropped = _drop_oldest(
+            out, spec.model_copy(update={"keep": 0}), lambda ms: _size(ms, scale)
+        )
+        goal_first = range(len(head) - 1, -1, -1)
+        out, cut = _cut_in_order(out, goal_first, spec, scale)
+        changed += len(cut)
+    return out, ids, dropped, changed
+
+
+def _size(messages: Sequence[Message], scale: float) -> int:
+    return math.ceil(estimate_tokens(messages) * scale)
+
+
+def _over(messages: Sequence[Message], spec: ContextSpec, scale: float) -> int:
+    """By how many (scaled) tokens `messages` are over the window."""
+    return _size(messages, scale) - spec.max_tokens
+
+
+def _cut_in_order(
+    messages: list[Message], order: Sequence[int], spec: ContextSpec, scale: float
+) -> tuple[list[Message], list[int]]:
+    """`messages` with those at `order` shortened, in that order, until they fit: each loses
+    what the window needs of it (keeping its start), ending with a note of how much was cut.
+    Linear: the estimate is kept up to date message by message."""
+    out = list(messages)
+    raw = estimate_tokens(out)
+    cut: list[int] = []
+    for i in order:
+        over = math.ceil(raw * scale) - spec.max_tokens
+        if over <= 0:
+            break
+        shorter = _cut(out[i], over, scale)
+        if shorter is not None:
+            raw += estimate_tokens([shorter]) - estimate_tokens([out[i]])
+            out[i] = shorter
+            cut.append(i)
+    return out, cut
+
+
+def _cut(message: Message, over: int, scale: float) -> Message | None:
+    """`message` with enough of its text cut to save `over` scaled tokens (all of it, if that
+    is not enough), or None when cutting would not make it shorter."""
+    text = message.content or ""
+    note = _CUT_NOTE.format(cut=len(text), total=len(text))  # the longest it can be
+    drop = _CHARS_PER_TOKEN * (math.ceil(over / scale) + 2) + len(note) + 1
+    keep = max(len(text) - drop, 0)
+    note = _CUT_NOTE.format(cut=len(text) - keep, total=len(text))
+    shorter = f"{text[:keep]}\n{note}" if keep else note
+    if len(shorter) >= len(text):
+        return None
+    return replace(message, content=shorter)
 
 
 def _shorten(
