@@ -135,7 +135,8 @@ def _edge_attrs(
 def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
     rows = [
         "● → the initial state; a double border marks a final state",
-        "[guard] edges out of a state are tried in number order; the first that passes fires",
+        "n. [guard]: the edge's place in transitions:, the order a state's edges are tried in; "
+        "the first that passes fires",
         "[else]: taken when no other edge of its state passes",
         "[guard] → reason: the run ends with that termination reason",
         "the kernel may end any run with: " + ", ".join(KERNEL_REASONS),

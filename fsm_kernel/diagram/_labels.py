@@ -81,13 +81,16 @@ def _condition(spec: WorkflowSpec, t: TransitionSpec) -> str:
 
 
 def _order(spec: WorkflowSpec, index: int) -> int | None:
-    """1-based position of transition `index` among its source's edges; None if it is alone."""
-    siblings = [i for i, _ in spec.transitions_from(spec.transitions[index].source)]
-    return siblings.index(index) + 1 if len(siblings) > 1 else None
+    """The number of transition `index`: its 1-based place in the workflow's `transitions:`,
+    so no two edges share one (numbered per state, `execute → replan` and `replan → execute`
+    were both "3. [else]") and a state's edges, tried in file order, still read in number
+    order; None when it is its state's only edge (there is no order to tell)."""
+    siblings = spec.transitions_from(spec.transitions[index].source)
+    return index + 1 if len(siblings) > 1 else None
 
 
 def edge_label(spec: WorkflowSpec, index: int) -> str:
-    """One line: `2. [malformed_output and not retries_exhausted]`, `[done_called] → done`;
+    """One line: `3. [malformed_output and not retries_exhausted]`, `[done_called] → done`;
     `catch agent_error` for a catch edge (tried before the others, when the action failed)."""
     edge = spec.catch_edge(index)
     if edge is not None:

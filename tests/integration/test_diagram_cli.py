@@ -161,7 +161,7 @@ def test_run_overlay_from_sqlite_store(
     captured = capsys.readouterr()
     assert captured.err == ""
     assert "observe  ×2" in captured.out
-    assert "1. [done_called] → done  ×1  ■ ended here" in captured.out
+    assert "7. [done_called] → done  ×1  ■ ended here" in captured.out
     assert f"run {RUN_ID}: done after 8 transitions" in captured.out
     assert captured.out != to_dot(default)
 
@@ -173,7 +173,7 @@ def test_run_overlay_uses_the_store_from_the_environment(
     assert diagram("--run", RUN_ID, "--format", "mermaid") == 0  # the run's own workflow
     out = capsys.readouterr().out
     assert out.startswith("stateDiagram-v2\n")
-    assert "    evaluate --> terminate : 1. [done_called] → done ×1 ■ ended here" in out
+    assert "    evaluate --> terminate : 7. [done_called] → done ×1 ■ ended here" in out
 
 
 def test_run_of_another_workflow_warns(

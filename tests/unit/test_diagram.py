@@ -164,12 +164,13 @@ def test_dot_marks_initial_and_final_states(default: WorkflowSpec) -> None:
 def test_edge_labels_number_guards_else_and_reasons(default: WorkflowSpec) -> None:
     labels = [edge_label(default, i) for i in range(len(default.transitions))]
     assert labels[0] == ""  # observe -> think: the only, unguarded edge of observe
-    assert labels[1] == "1. [has_tool_calls]"
-    assert labels[2] == "2. [malformed_output and not retries_exhausted]"
-    assert labels[3] == "3. [malformed_output] → malformed_output"
-    assert labels[4] == "4. [else] → final_answer"
-    assert labels[6] == "1. [done_called] → done"
-    assert labels[11] == "6. [else]"
+    assert labels[1] == "2. [has_tool_calls]"  # numbers: places in transitions:
+    assert labels[2] == "3. [malformed_output and not retries_exhausted]"
+    assert labels[3] == "4. [malformed_output] → malformed_output"
+    assert labels[4] == "5. [else] → final_answer"
+    assert labels[5] == ""  # act -> evaluate: alone, so unnumbered
+    assert labels[6] == "7. [done_called] → done"
+    assert labels[11] == "12. [else]"
 
 
 def test_dot_groups_parallel_edges_and_breaks_long_guards(default: WorkflowSpec) -> None:
@@ -237,8 +238,8 @@ def test_mermaid_structure(default: WorkflowSpec) -> None:
     assert "    [*] --> observe" in lines
     assert "    terminate --> [*]" in lines
     assert "    observe --> think" in lines
-    assert "    think --> act : 1. [has_tool_calls]" in lines
-    assert "    evaluate --> terminate : 1. [done_called] → done" in lines
+    assert "    think --> act : 2. [has_tool_calls]" in lines
+    assert "    evaluate --> terminate : 7. [done_called] → done" in lines
     assert "    think : agent.think" in lines
     assert sum(1 for line in lines if " --> " in line and "[*]" not in line) == len(
         default.transitions
@@ -290,10 +291,10 @@ def test_dot_overlay_counts_bold_taken_and_dims_the_rest(default: WorkflowSpec) 
     assert "×2" in taken
     assert "penwidth=2.5" in taken
     (ending,) = edge_lines(dot, "evaluate", "terminate")
-    assert "1. [done_called] → done  ×1  ■ ended here" in ending
+    assert "7. [done_called] → done  ×1  ■ ended here" in ending
     assert "penwidth=3" in ending
     assert 'color="#15803d"' in ending
-    assert 'COLOR="#b8c2cc">2. [fatal_tool_error]' in ending  # the untaken rows are grey
+    assert 'COLOR="#b8c2cc">8. [fatal_tool_error]' in ending  # the untaken rows are grey
     (untaken,) = edge_lines(dot, "think", "terminate")
     assert 'color="#b8c2cc"' in untaken
     assert "run 0190aaaa-bbbb-7ccc-8ddd-eeeeffff0000: done after 9 transitions" in dot
@@ -375,8 +376,8 @@ def test_run_in_flight_has_no_reason(default: WorkflowSpec) -> None:
 def test_mermaid_overlay(default: WorkflowSpec) -> None:
     events = EventLog(default).take(0, 1, 5, 6).end("done")
     text = to_mermaid(default, overlay=RunOverlay.from_events(events))
-    assert "    evaluate --> terminate : 1. [done_called] → done ×1 ■ ended here" in text
-    assert "    think --> act : 1. [has_tool_calls] ×1" in text
+    assert "    evaluate --> terminate : 7. [done_called] → done ×1 ■ ended here" in text
+    assert "    think --> act : 2. [has_tool_calls] ×1" in text
     assert "    class terminate ended" in text
     assert "    class act visited" in text
     assert "    think : ×1" in text
@@ -488,3 +489,24 @@ def test_diagrams_folder_matches_workflows(path: Path) -> None:
     assert golden.read_text(encoding="utf-8") == expected, (
         f"diagrams/{golden.name} is out of date with workflows/{path.name}: {fix}"
     )
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
+def test_no_two_edges_share_a_number(path: Path) -> None:
+    """plan_execute drew `execute → replan` and `replan → execute` both as "3. [else]"."""
+    spec = load_workflow(path)
+    numbers = [edge_label(spec, i).partition(". ")[0] for i in range(len(spec.transitions))]
+    numbered = [n for n in numbers if n.isdigit()]
+    assert len(numbered) == len(set(numbered))
+    for i, t in enumerate(spec.transitions):  # the number is the transition's place in the file
+        if len(spec.transitions_from(t.source)) > 1:
+            assert numbers[i] == str(i + 1)
+
+
+def test_plan_executes_two_else_edges_are_told_apart() -> None:
+    spec = load_workflow(REPO / "workflows" / "plan_execute.yaml")
+    labels = {(t.source, t.target): edge_label(spec, i) for i, t in enumerate(spec.transitions)}
+
+    assert labels["plan", "execute"] == "3. [else]"
+    assert labels["execute", "replan"] == "6. [else]"
+    assert labels["replan", "execute"] == "9. [else]"
