@@ -246,6 +246,8 @@ def test_a_scheduler_dispatch_is_the_parent_of_its_run(
         (False, {"OTEL_TRACES_EXPORTER": "otlp"}, False),
         (None, {"OTEL_TRACES_EXPORTER": "otlp"}, True),
         (None, {"OTEL_TRACES_EXPORTER": "none"}, False),
+        (None, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}, False),
+        (None, {"OTEL_TRACES_EXPORTER": "console"}, True),
         (None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
         (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, True),
         (
