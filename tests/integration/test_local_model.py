@@ -372,7 +372,7 @@ def test_without_the_extra_the_module_imports_and_names_the_fix() -> None:
     out = json.loads(done.stdout)
     hint = (
         "the local model needs the 'local' extra: pip install 'fsm-kernel[local]' "
-        "(compiles llama.cpp, about 5 minutes the first time)"
+        "(compiles llama.cpp: 5 to 13 minutes the first time, on 2 cores)"
     )
     assert out == {"is_local": True, "local": hint, "local:/nowhere.gguf": hint}
 
