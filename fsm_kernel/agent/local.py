@@ -725,7 +725,7 @@ class _Turn:
 
     def run(self) -> Completion:
         """Called with the model loaded (whether it is small is known)."""
-        if self.model.answers_after_result and self._just_answered():
+        if self.model.answers_after_result and self._focus_on_result():
             return self._answer()
         if not self.plan.tools:
             return self._answer()
@@ -733,9 +733,10 @@ class _Turn:
         tool = next((t for t in self.plan.tools if t.name == choice), None)
         return self._call(tool) if tool is not None else self._answer()
 
-    def _just_answered(self) -> bool:
-        """A tool's successful result ends the conversation and the model may answer: the
-        request becomes an answer from the focused conversation (see LocalChatModel)."""
+    def _focus_on_result(self) -> bool:
+        """Whether a tool's successful result ends the conversation and the model may answer;
+        if so, the request becomes an answer from the focused conversation (see
+        LocalChatModel's `answer_after_result`)."""
         if not (self.plan.may_answer and _just_answered(self.messages)):
             return False
         self.plan = _Plan(tools=(), may_answer=True, response_format=self.plan.response_format)
@@ -775,18 +776,19 @@ class _Turn:
 
     def _call(self, tool: Tool) -> Completion:
         prefix = f"{_CALL_PREFIX}{tool.name}("
-        if self.stream is not None:  # progress: the arguments take the most time
-            self.stream(prefix)
+        shown = _CallText(self.stream) if self.stream is not None else None
+        if shown is not None:  # progress: the arguments take the most time
+            shown(prefix)
         generated = self._generate(
             self._tool_turns(),
             "arguments",
             prefix=prefix,
             grammar=_arguments_grammar(tool.parameters),
             max_tokens=self.model.max_tokens,
-            stream=self.stream,
+            stream=shown,
         )
-        if self.stream is not None:
-            self.stream(")")
+        if shown is not None:
+            shown.close()
         call = _parse_call(tool.name, generated, self.model.max_tokens)
         finish = "length" if generated.finish_reason == "length" else "tool_calls"
         return self.model._completion(Message.assistant("", [call]), finish, self.usage)
@@ -808,6 +810,25 @@ class _Turn:
         finish = "length" if generated.finish_reason == "length" else "stop"
         message = Message.assistant(generated.text.strip())
         return self.model._completion(message, finish, self.usage)
+
+
+class _CallText:
+    """Streams a tool call as `Tool call: name({...})`, without the whitespace the grammar
+    lets the model put before the closing parenthesis (held back until more text follows)."""
+
+    def __init__(self, stream: Callable[[str], None]) -> None:
+        self.stream = stream
+        self.held = ""
+
+    def __call__(self, piece: str) -> None:
+        if not piece.strip():
+            self.held += piece
+            return
+        self.stream(self.held + piece)
+        self.held = ""
+
+    def close(self) -> None:
+        self.stream(")")
 
 
 def _parse_call(name: str, generated: _Generated, max_tokens: int) -> ToolCall:
