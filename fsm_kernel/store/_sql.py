@@ -837,7 +837,7 @@ class SqlEventStore:
         try:
             rows = self._query(sql, (COMPONENT,), what="cannot read the event store schema")
         except StoreError as exc:
-            if "no such table" in str(exc):  # an SQLite database without the schema yet
+            if "no such table" in str(exc) and self._only_ours():  # no event schema yet
                 raise OlderSchemaError(f"{self._where}: no event store schema yet") from exc
             raise StoreSchemaError(f"{self._where}: not an fsm-kernel event store ({exc})") from exc
         if plan_migrations(dict(rows), where=self._where):
@@ -846,6 +846,12 @@ class SqlEventStore:
                 "once read-write (any fsm-kernel command that runs, resumes or lists runs) to "
                 "upgrade it"
             )
+
+    def _only_ours(self) -> bool:
+        """Whether every table of the database is fsm-kernel's (none at all, or the
+        scheduler's): only such a database may be given the event schema by a read-only open;
+        another program's database is refused, never written."""
+        return False
 
     def _migrate(self) -> None:
         """Apply the pending migrations in one transaction (StoreSchemaError for a schema this

@@ -237,11 +237,21 @@ class SqliteEventStore(SqlEventStore):
                 conn.execute("ROLLBACK")
             raise
 
+    def _only_ours(self) -> bool:
+        rows = self._query(
+            "SELECT name FROM sqlite_master WHERE type = 'table'", (), what="cannot list tables"
+        )
+        return all(str(name).startswith(_OUR_TABLES) for (name,) in rows)
+
     def _error(self, what: str, exc: Exception) -> StoreError:
         message = f"{self.path}: {what}: {exc}"
         if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
             message = f"{self.path}: not an SQLite database ({exc})"
         return StoreError(message.replace("\n", " "))
+
+
+_OUR_TABLES = ("scheduler_", "kernel_dispatch_tasks", "dispatch_tasks", "sqlite_")
+"""The tables of a database fsm-kernel's scheduler alone has written (and SQLite's own)."""
 
 
 def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:

@@ -691,3 +691,22 @@ def test_a_store_opened_to_be_read_writes_nothing_and_its_first_commit_gives_the
         reader.append([ev(3)])  # no second round of zeros
         assert sum(writes) < sqlite_module.WAL_PRESIZE + 4096
         assert [e.seq for e in reader.read("r")] == [1, 2, 3]
+
+
+def test_a_read_only_open_gives_only_a_scheduler_database_the_event_schema(
+    tmp_path: Path,
+) -> None:
+    from fsm_kernel.store import open_store
+
+    scheduler = tmp_path / "scheduler.db"
+    sqlite3.connect(scheduler).execute("CREATE TABLE scheduler_ticks (x)").connection.close()
+    with open_store(scheduler, read_only=True) as store:
+        assert store.list_runs() == []
+    foreign = tmp_path / "app.db"
+    sqlite3.connect(foreign).execute("CREATE TABLE scheduler_ticks (x)").execute(
+        "CREATE TABLE users (name)"
+    ).connection.close()
+    with pytest.raises(StoreSchemaError, match="not an fsm-kernel event store"):
+        open_store(foreign, read_only=True)
+    tables = sqlite3.connect(foreign).execute("SELECT name FROM sqlite_master").fetchall()
+    assert sorted(tables) == [("scheduler_ticks",), ("users",)]
