@@ -32,9 +32,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TextDelta:
-    """A piece of the model's answer text, as it arrived."""
+    """A piece of the model's text, as it arrived: of its answer, or (`tool_call`, the tool's
+    name) of a tool call being generated, shown as progress (the local model streams its calls
+    as `Tool call: name({...})`; they are not part of any answer)."""
 
     text: str
+    tool_call: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,12 @@ def is_watched() -> bool:
     return _sink.get() is not None
 
 
-def emit_text(text: str) -> None:
-    """Hand a piece of answer text to the watcher, if any."""
+def emit_text(text: str, *, tool_call: str | None = None) -> None:
+    """Hand a piece of answer text (or of the call of the tool `tool_call`) to the watcher,
+    if any."""
     sink = _sink.get()
     if sink is not None and text:
-        sink(TextDelta(text))
+        sink(TextDelta(text, tool_call))
 
 
 def emit_notice(kind: str, **detail: Any) -> None:

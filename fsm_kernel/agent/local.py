@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
+import functools
 import importlib.util
 import json
 import logging
@@ -590,16 +591,25 @@ def _token_text(llama: Any, token: int) -> str:
     return str(llama.detokenize([token], special=True).decode("utf-8", errors="replace"))
 
 
-def _text_streamer() -> Callable[[str], None]:
+TextStreams = Callable[[str | None], Callable[[str], None]]
+"""Where a turn's text goes, by what it is: a tool's name for its call being generated (progress,
+not the answer), None for the answer."""
+
+
+def _text_streamer() -> TextStreams:
     """Hands text generated in the worker thread to the run's watcher, on the event loop (a
     watcher may touch loop-bound objects such as an asyncio.Queue)."""
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
 
-    def hand_over(piece: str) -> None:
-        loop.call_soon_threadsafe(emit_text, piece, context=context)
+    def streams(tool_call: str | None) -> Callable[[str], None]:
+        def hand_over(piece: str) -> None:
+            emit = functools.partial(emit_text, piece, tool_call=tool_call)
+            loop.call_soon_threadsafe(emit, context=context)
 
-    return hand_over
+        return hand_over
+
+    return streams
 
 
 def _collect(chunks: Any, stream: Callable[[str], None], *, prompt_tokens: int) -> _Generated:
@@ -713,12 +723,12 @@ class _Turn:
         messages: Sequence[Message],
         plan: _Plan,
         cancel: threading.Event,
-        stream: Callable[[str], None] | None = None,
+        stream: TextStreams | None = None,
     ) -> None:
         self.model, self.messages, self.plan, self.cancel = model, messages, plan, cancel
         self.stream = stream
         """Where the text goes as it is generated: an answer's, and a tool call's as
-        `Tool call: name({...})` (the choice of a step never)."""
+        `Tool call: name({...})`, marked as that tool's (the choice of a step never)."""
         self.usage = Usage()
         self.loops: list[tuple[str, int]] = []
         """The generations stopped in a loop: (`answer` or `arguments`, tokens generated)."""
@@ -776,7 +786,7 @@ class _Turn:
 
     def _call(self, tool: Tool) -> Completion:
         prefix = f"{_CALL_PREFIX}{tool.name}("
-        shown = _CallText(self.stream) if self.stream is not None else None
+        shown = _CallText(self.stream(tool.name)) if self.stream is not None else None
         if shown is not None:  # progress: the arguments take the most time
             shown(prefix)
         generated = self._generate(
@@ -805,7 +815,7 @@ class _Turn:
             "answer",
             grammar=grammar,
             max_tokens=self.model.max_tokens,
-            stream=self.stream,
+            stream=self.stream(None) if self.stream is not None else None,
         )
         finish = "length" if generated.finish_reason == "length" else "stop"
         message = Message.assistant(generated.text.strip())

@@ -70,7 +70,8 @@ class Progress:
         self.text = text
         self.text_is_result = text_is_result
         self.indent = "  " if text is stream else ""  # text among progress lines is indented
-        self.streaming = False  # a line of text is open on `text`
+        self.open_on: TextIO | None = None  # the stream a line of streamed text is open on
+        self.open_call: str | None = None  # the tool whose call that line shows (None: text)
         self.call_text: list[str] = []  # what the latest model call streamed
         self.child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
         self.children = 0  # children still going: text streamed meanwhile is theirs
@@ -91,10 +92,10 @@ class Progress:
 
     def finish(self) -> None:
         """End the line of streamed text, if one is open."""
-        if self.streaming and self.text is not None:
-            self.text.write("\n")
-            self.text.flush()
-        self.streaming = False
+        if self.open_on is not None:
+            self.open_on.write("\n")
+            self.open_on.flush()
+        self.open_on = None
 
     def shown(self, response: str) -> bool:
         """Whether `response` is on stdout already: the latest model call streamed it there."""
@@ -102,16 +103,23 @@ class Progress:
         return self.text_is_result and bool(streamed) and streamed == response.strip()
 
     def _text(self, delta: TextDelta) -> None:
+        """The answer's text goes to `text`; a tool call being generated is progress, shown
+        on the progress stream (never on stdout, never taken for the answer)."""
         if self.children:
             return
-        self.call_text.append(delta.text)
-        if self.text is None:
+        if delta.tool_call is None:
+            self.call_text.append(delta.text)
+            target, indent = self.text, self.indent
+        else:
+            target, indent = self.stream, "  "
+        if target is None:
             return
-        if not self.streaming:
-            self.text.write(self.indent)
-            self.streaming = True
-        self.text.write(delta.text.replace("\n", "\n" + self.indent))
-        self.text.flush()
+        if self.open_on is not target or self.open_call != delta.tool_call:
+            self.finish()
+            target.write(indent)
+            self.open_on, self.open_call = target, delta.tool_call
+        target.write(delta.text.replace("\n", "\n" + indent))
+        target.flush()
 
     def _follows(self, event: Event) -> bool:
         """Whether the event is of a run it follows (not a child's), counting the children."""

@@ -11,6 +11,7 @@ run to the token cap.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -260,3 +261,33 @@ def test_the_bundled_file_renamed_behaves_as_local(tmp_path: Path) -> None:
 def test_a_bad_setting_raises_config_error() -> None:
     with pytest.raises(ConfigError, match="FSM_KERNEL_LOCAL_SMALL_MODEL"):
         small_model_setting({"FSM_KERNEL_LOCAL_SMALL_MODEL": "yes"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@needs_local
+def test_a_tool_call_streams_as_progress_marked_with_its_tool_never_as_answer_text() -> None:
+    from fsm_kernel.protocol import Message
+    from fsm_kernel.streaming import StreamNotice, TextDelta, deltas_to
+    from fsm_kernel.tools import builtin_registry
+
+    model = chat_model_for(AgentSettings(model="local"), environ={})
+    tools = builtin_registry().list_tools(["datetime"])
+    seen: list[TextDelta] = []
+
+    def sink(item: TextDelta | StreamNotice) -> None:
+        if isinstance(item, TextDelta):
+            seen.append(item)
+
+    async def ask() -> Any:
+        with deltas_to(sink):
+            try:
+                return await model.complete([Message.user("What time is it?")], tools)
+            finally:
+                await model.aclose()
+
+    completion = asyncio.run(ask())
+    assert [c.name for c in completion.message.tool_calls] == ["datetime"]
+    assert seen, "the call streamed nothing"
+    assert {d.tool_call for d in seen} == {"datetime"}  # no piece passes for answer text
+    assert "".join(d.text for d in seen).startswith("Tool call: datetime(")
