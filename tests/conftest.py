@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest_plugins = ["tests.pg"]
+pytest_plugins = ["tests.pg", "tests.lockkit"]
 
 
 @pytest.fixture(autouse=True)

@@ -8,49 +8,25 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fsm_kernel.errors import RunLockedError
-from fsm_kernel.store import AnyEventStore, JsonlEventStore, PostgresEventStore, SqliteEventStore
+from fsm_kernel.store import AnyEventStore, SqliteEventStore
+from tests.lockkit import HOLDER, REPO, STORES
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "0199c0de-0000-7000-8000-00000000beef"
-_CLASSES: dict[str, Callable[[str], AnyEventStore]] = {
-    "sqlite": SqliteEventStore,
-    "jsonl": JsonlEventStore,
-    "postgres": PostgresEventStore,
-}
-_HOLDER = """
-import sys, time
-from fsm_kernel.store import JsonlEventStore, PostgresEventStore, SqliteEventStore
-
-kind, location, run_id = sys.argv[1:4]
-cls = {"sqlite": SqliteEventStore, "jsonl": JsonlEventStore, "postgres": PostgresEventStore}[kind]
-with cls(location) as store, store.lock_run(run_id):
-    print("locked", flush=True)
-    time.sleep(120)
-"""
-
-
-@pytest.fixture(params=["sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)])
-def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    """(backend kind, store location)."""
-    kind: str = request.param
-    if kind == "postgres":
-        return kind, request.getfixturevalue("pg_dsn")
-    return kind, str(tmp_path / ("events.db" if kind == "sqlite" else "events.jsonl"))
 
 
 @pytest.fixture
 def holder(location: tuple[str, str]) -> Iterator[subprocess.Popen[str]]:
     """A process holding RUN_ID's lock (it has printed "locked"); killed at the end."""
     kind, where = location
-    _CLASSES[kind](where).close()  # the schema exists before the child starts
+    STORES[kind](where).close()  # the schema exists before the child starts
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, kind, where, RUN_ID],
+        [sys.executable, "-c", HOLDER, kind, where, RUN_ID],
         cwd=REPO,
         env=dict(os.environ),
         stdout=subprocess.PIPE,
@@ -84,7 +60,7 @@ def test_a_lock_held_by_another_process_is_refused_at_once(
     location: tuple[str, str], holder: subprocess.Popen[str]
 ) -> None:
     kind, where = location
-    with _CLASSES[kind](where) as store:
+    with STORES[kind](where) as store:
         start = time.monotonic()
         with pytest.raises(RunLockedError) as info:
             with store.lock_run(RUN_ID):
@@ -103,7 +79,7 @@ def test_the_lock_of_a_killed_holder_is_free_at_once(
     location: tuple[str, str], holder: subprocess.Popen[str]
 ) -> None:
     kind, where = location
-    with _CLASSES[kind](where) as store:
+    with STORES[kind](where) as store:
         with pytest.raises(RunLockedError):
             with store.lock_run(RUN_ID):
                 pass
@@ -121,7 +97,7 @@ def test_the_lock_of_a_killed_holder_is_free_at_once(
 @pytest.mark.parametrize("suffix", ["db", "jsonl"])
 def test_only_lock_run_creates_the_lock_file(tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"events.{suffix}"
-    store: AnyEventStore = _CLASSES["sqlite" if suffix == "db" else "jsonl"](str(path))
+    store: AnyEventStore = STORES["sqlite" if suffix == "db" else "jsonl"](str(path))
     sidecar = tmp_path / f"events.{suffix}.locks"
     with store:
         store.read(RUN_ID)

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,43 +18,17 @@ from fsm_kernel.errors import RunLockedError, StoreLocationError
 from fsm_kernel.protocol import Event, EventType, RunFilter
 from fsm_kernel.store import (
     AnyEventStore,
-    JsonlEventStore,
-    PostgresEventStore,
-    SqliteEventStore,
     open_store,
 )
 from fsm_kernel.store._schema import unique_prefix
+from tests.lockkit import HOLDER, REPO, STORES
 
-REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-_CLASSES: dict[str, Callable[[str], AnyEventStore]] = {
-    "sqlite": SqliteEventStore,
-    "jsonl": JsonlEventStore,
-    "postgres": PostgresEventStore,
-}
-_HOLDER = """
-import sys, time
-from fsm_kernel.store import JsonlEventStore, PostgresEventStore, SqliteEventStore
-
-kind, location, run_id = sys.argv[1:4]
-cls = {"sqlite": SqliteEventStore, "jsonl": JsonlEventStore, "postgres": PostgresEventStore}[kind]
-with cls(location) as store, store.lock_run(run_id):
-    print("locked", flush=True)
-    time.sleep(120)
-"""
-
-
-@pytest.fixture(params=["sqlite", "jsonl", pytest.param("postgres", marks=pytest.mark.postgres)])
-def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    kind: str = request.param
-    if kind == "postgres":
-        return kind, request.getfixturevalue("pg_dsn")
-    return kind, str(tmp_path / ("events.db" if kind == "sqlite" else "events.jsonl"))
 
 
 @pytest.fixture
 def store(location: tuple[str, str]) -> Iterator[AnyEventStore]:
-    with _CLASSES[location[0]](location[1]) as opened:
+    with STORES[location[0]](location[1]) as opened:
         yield opened
 
 
@@ -71,7 +45,7 @@ def test_a_run_is_running_while_another_process_holds_its_lock_then_interrupted(
     store.append([started(run_id)])
     kind, where = location
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, kind, where, run_id],
+        [sys.executable, "-c", HOLDER, kind, where, run_id],
         cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -97,7 +71,7 @@ def test_a_run_is_running_while_another_process_holds_its_lock_then_interrupted(
     with store.lock_run(run_id):  # asking took nothing: the lock is free for a resume
         assert store.is_running(run_id) is True
         with pytest.raises(RunLockedError):
-            with _CLASSES[kind](where) as other, other.lock_run(run_id):
+            with STORES[kind](where) as other, other.lock_run(run_id):
                 pass
 
 
