@@ -11,6 +11,8 @@ import pytest
 from fsm_kernel.redact import (
     REDACTED,
     _forget_secrets,
+    encodable,
+    find_lone_surrogate,
     redact,
     redact_data,
     redact_lines,
@@ -72,6 +74,13 @@ def test_the_longest_registered_secret_wins() -> None:
     assert redact("x abcdef123 y") == f"x {REDACTED} y"
 
 
+def test_a_secret_that_contains_another_is_replaced_whole_whatever_their_order() -> None:
+    register_secret("abcdef123")
+    register_secret("0abcdef123")  # longer, yet sorts before the shorter one
+
+    assert redact("x 0abcdef123 y") == f"x {REDACTED} y"
+
+
 def test_short_or_empty_values_are_not_registered() -> None:
     for value in (None, "", "abc", "12345"):
         register_secret(value)
@@ -92,6 +101,20 @@ def test_url_passwords_are_registered_as_written_decoded_and_split_at_at_signs()
     }
     # A driver that split the URL at the first @ quotes the rest as a host name.
     assert redact("cannot resolve host 'word-hunter2@db'") == f"cannot resolve host '{REDACTED}@db'"
+
+
+@pytest.mark.parametrize(
+    ("url", "password"),
+    [
+        ("postgresql://user:pa:ss123456@db/x", "pa:ss123456"),  # the first colon ends the user
+        ("postgresql://user:secretpw@db/a@b/c", "secretpw"),  # an @ in the path is no userinfo
+        ("postgresql://user:secretpw@db/x?next=http://h/", "secretpw"),  # nor a :// after it
+    ],
+)
+def test_only_the_password_of_the_userinfo_is_registered(url: str, password: str) -> None:
+    register_url_password(url)
+
+    assert registered_secrets() == (password,)
 
 
 @pytest.mark.parametrize(
@@ -172,3 +195,17 @@ def test_lone_surrogates_leave_as_the_replacement_character() -> None:
     assert out == {"content": "bad \ufffd text", "short": "\ufffd", "fine": value["fine"]}
     assert out["fine"] is value["fine"]  # nothing to repair: the same object
     json.dumps(out, ensure_ascii=False).encode("utf-8")  # now every way out takes it
+
+
+def test_the_first_lone_surrogate_is_found_by_its_index() -> None:
+    assert find_lone_surrogate("plain") == -1
+    assert find_lone_surrogate("caf\u00e9 \U0001f600") == -1  # a pair is no lone surrogate
+    assert find_lone_surrogate("ab\ud800 \udc80") == 2
+    assert find_lone_surrogate("\u00e9\udc80") == 1
+
+
+def test_encodable_text_is_returned_as_it_is() -> None:
+    text = "caf\u00e9, d\u00e9j\u00e0 vu"
+
+    assert encodable(text) is text
+    assert encodable("x\ud800y") == "x\ufffdy"
