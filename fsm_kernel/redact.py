@@ -34,6 +34,7 @@ from urllib.parse import unquote
 __all__ = [
     "REDACTED",
     "REPLACEMENT",
+    "StreamRedactor",
     "encodable",
     "find_lone_surrogate",
     "redact",
@@ -146,6 +147,75 @@ def find_lone_surrogate(text: str) -> int:
 _LEAVES = frozenset({int, float, bool, type(None)})
 """Exact types that hold no text: returned before any isinstance check (most of an event's
 values; the run recorder redacts every event)."""
+
+
+_SPANS_WORDS = re.compile(r"(?i:bearer|authorization|password)")
+"""Where a credential shape may begin that goes on past a space (`Bearer TOKEN`,
+`Authorization: Basic X`, `password = 'two words'`): the shapes without a space need no care."""
+_HOLD_MAX = 4096
+"""The most text kept back: past it, a piece is released at its last space whatever it holds
+(no credential shape runs that long, and the work per piece stays bounded)."""
+
+
+class StreamRedactor:
+    """Redacts text that arrives in pieces (a model's streamed answer) as if it came whole.
+
+    `feed` keeps back what could still become part of a secret and returns the rest, redacted:
+    the last word (a key may be split between pieces), and from a word holding `bearer`,
+    `authorization` or `password` on until a line break after what follows it (the shapes that
+    go on past a space), and the start of a registered secret that holds a space. `close`
+    returns what is left. Each piece released ends where no shape can span, so redacting the
+    pieces one by one redacts what redacting the whole text would.
+    """
+
+    def __init__(self) -> None:
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        self.held += text
+        cut = _release_point(self.held)
+        out, self.held = self.held[:cut], self.held[cut:]
+        return redact(out) if out else ""
+
+    def close(self) -> str:
+        out, self.held = self.held, ""
+        return redact(out) if out else ""
+
+
+def _release_point(text: str) -> int:
+    """How much of `text` can be released: up to its last space, never into an open shape."""
+    cut = max(text.rfind(space) for space in " \n\t\r") + 1
+    if len(text) > _HOLD_MAX:
+        return cut
+    for found in _SPANS_WORDS.finditer(text, 0, cut):
+        if not _closed(text, found.end()):
+            start = text.rfind(" ", 0, found.start()) + 1
+            cut = min(cut, max(start, text.rfind("\n", 0, found.start()) + 1))
+            break
+    for secret in _secrets:
+        if any(c.isspace() for c in secret):
+            cut = _straddled(text, secret, cut)
+    return cut
+
+
+def _closed(text: str, after: int) -> bool:
+    """Whether a line break follows `after` with something other than space before it."""
+    rest = text[after:]
+    seen = False
+    for char in rest:
+        if char == "\n" and seen:
+            return True
+        seen = seen or not char.isspace()
+    return False
+
+
+def _straddled(text: str, secret: str, cut: int) -> int:
+    """Where `secret`, or a beginning of it that `text` ends with, starts if it would be cut at
+    `cut`; else `cut`."""
+    for start in range(max(0, cut - len(secret) + 1), cut):
+        if secret.startswith(text[start : start + len(secret)]):
+            return start
+    return cut
 
 
 def redact_data(value: Any) -> Any:

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.redact import StreamRedactor
 from fsm_kernel.streaming import TextDelta
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class Progress:
         self.indent = "  " if text is stream else ""  # text among progress lines is indented
         self.open_on: TextIO | None = None  # the stream a line of streamed text is open on
         self.open_call: str | None = None  # the tool whose call that line shows (None: text)
+        self.open_indent = ""  # how that line's continuation lines are indented
+        self.held = StreamRedactor()  # a secret split between pieces is redacted whole
         self.call_text: list[str] = []  # what the latest model call streamed
         self.child_runs: set[str] = set()  # the runs it does not follow (a chat follows several)
         self.children = 0  # children still going: text streamed meanwhile is theirs
@@ -93,7 +96,7 @@ class Progress:
     def finish(self) -> None:
         """End the line of streamed text, if one is open."""
         if self.open_on is not None:
-            self.open_on.write("\n")
+            self.open_on.write(self.held.close().replace("\n", "\n" + self.open_indent) + "\n")
             self.open_on.flush()
         self.open_on = None
 
@@ -117,8 +120,8 @@ class Progress:
         if self.open_on is not target or self.open_call != delta.tool_call:
             self.finish()
             target.write(indent)
-            self.open_on, self.open_call = target, delta.tool_call
-        target.write(delta.text.replace("\n", "\n" + indent))
+            self.open_on, self.open_call, self.open_indent = target, delta.tool_call, indent
+        target.write(self.held.feed(delta.text).replace("\n", "\n" + indent))
         target.flush()
 
     def _follows(self, event: Event) -> bool:

@@ -91,6 +91,23 @@ def test_a_terminal_shows_the_streamed_answer_once(
     assert "Traceback" not in shown
 
 
+def test_a_secret_streamed_in_pieces_never_reaches_the_terminal(
+    server: FakeOpenAIServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the answer streams 3 characters a piece: the configured key and a bearer token are
+    # split between pieces, and each piece alone holds no whole secret
+    key = "local-key-0123456789"
+    monkeypatch.setenv("FSM_KERNEL_API_KEY", key)
+    server.enqueue(text_reply(f"Your key is {key}, sent as Bearer\n  tok987654321 there."))
+
+    code, shown = in_terminal(run_argv(server, tmp_path / "r.db"))
+
+    assert code == 0, shown
+    assert "0123456789" not in shown, shown
+    assert "tok987654321" not in shown, shown
+    assert shown.count("Your key is [REDACTED], sent as Bearer") == 1, shown
+
+
 def test_a_terminal_shows_every_call_s_text_once_and_the_answer_once(
     server: FakeOpenAIServer, tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from fsm_kernel.redact import (
     REDACTED,
+    StreamRedactor,
     _forget_secrets,
     encodable,
     find_lone_surrogate,
@@ -209,3 +210,57 @@ def test_encodable_text_is_returned_as_it_is() -> None:
 
     assert encodable(text) is text
     assert encodable("x\ud800y") == "x\ufffdy"
+
+
+STREAMED = [
+    "key local-key-0123456789 sent",
+    "Authorization: Basic dXNlcjpwYXNzd29yZA== then more",
+    "header Bearer\n  tok987654321\nnext line",
+    "dsn postgresql://bob:hunter22@db:5432/x ok",
+    "set password = 'two words' and go on\nnew line",
+    "the phrase my pass phrase here is secret",
+]
+
+
+def pieces_redacted(text: str, sizes: list[int]) -> str:
+    """What a StreamRedactor releases for `text` cut into pieces of these sizes (the rest
+    in one)."""
+    redactor, out, at = StreamRedactor(), [], 0
+    for size in sizes:
+        out.append(redactor.feed(text[at : at + size]))
+        at += size
+    out.append(redactor.feed(text[at:]))
+    out.append(redactor.close())
+    return "".join(out)
+
+
+@pytest.mark.parametrize("text", STREAMED)
+def test_streamed_text_is_redacted_as_the_whole_text_is_at_every_split(text: str) -> None:
+    register_secret("local-key-0123456789")
+    register_secret("my pass phrase")  # a registered secret may hold spaces
+    whole = redact(text)
+    assert whole != text  # each text holds a secret
+
+    for first in range(len(text) + 1):
+        for second in range(0, len(text) - first + 1, 3):
+            assert pieces_redacted(text, [first, second]) == whole, (first, second)
+    assert pieces_redacted(text, [1] * len(text)) == whole  # a character a piece
+
+
+def test_streamed_text_is_released_as_soon_as_no_secret_can_span_it() -> None:
+    redactor = StreamRedactor()
+
+    assert redactor.feed("Hello wor") == "Hello "  # a word may still be a key's start
+    assert redactor.feed("ld, the password") == "world, the "
+    assert redactor.feed(" is x\nok ") == "password is x\nok "  # the line ended it
+    assert redactor.close() == ""
+
+
+def test_a_streamed_line_that_never_ends_is_released_in_bounded_pieces() -> None:
+    redactor = StreamRedactor()
+    released = [redactor.feed("password " + "w " * 1000)]
+    for _ in range(20_000):
+        released.append(redactor.feed("word "))
+
+    assert max(len(r) for r in released) < 10_000
+    assert len("".join(released) + redactor.close()) == len("password " + "w " * 1000) + 100_000
