@@ -7,11 +7,12 @@ import asyncio
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.cli.args import count
 from fsm_kernel.cli.output import cut
-from fsm_kernel.config import default_store_location
+from fsm_kernel.config import DEFAULT_STORE, default_store_location
 from fsm_kernel.protocol import Event, EventStore, EventType, RunFilter, RunSummary
 from fsm_kernel.workflow.human import HumanAnswer
 
@@ -147,7 +148,22 @@ def _open(args: argparse.Namespace) -> Any:
     return open_store(args.store or default_store_location(), read_only=True)
 
 
+def _nothing_recorded_here(args: argparse.Namespace) -> bool:
+    """Whether the list is asked of the default store and none was made yet (a new folder):
+    an empty list, not an error; a store named by --store or FSM_KERNEL_STORE must exist."""
+    return (
+        args.store is None
+        and default_store_location() == DEFAULT_STORE
+        and not (Path(DEFAULT_STORE).exists())
+    )
+
+
 def cmd_runs_list(args: argparse.Namespace) -> int:
+    if _nothing_recorded_here(args):
+        print(f"no runs recorded yet (no store at {DEFAULT_STORE} in this folder)", file=sys.stderr)
+        if args.json:
+            print("[]")
+        return EXIT_OK
     with _open(args) as store:
         # one more tells whether there are more
         where = RunFilter(top_level=True) if args.top_level else None

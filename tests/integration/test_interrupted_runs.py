@@ -130,6 +130,26 @@ def test_a_read_only_command_on_a_missing_store_writes_nothing(
     assert sorted(tmp_path.iterdir()) == []  # no folder, no store, no lock file
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_runs_list_in_a_new_folder_lists_nothing_and_writes_nothing(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    as_json: bool,
+) -> None:
+    # the default store is made by the first run: before it, a newcomer's `runs list` is an
+    # empty list, not an error (a store named by --store or FSM_KERNEL_STORE must exist)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FSM_KERNEL_STORE", raising=False)
+
+    out = cli(capsys, "runs", "list", *(["--json"] if as_json else []))
+
+    assert out.code == 0
+    assert out.out == ("[]\n" if as_json else "")
+    assert out.err == "no runs recorded yet (no store at .fsm-kernel/runs.db in this folder)\n"
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_the_viewer_on_a_missing_store_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
