@@ -18,7 +18,7 @@ import json
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.errors import AgentError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult
@@ -34,6 +34,9 @@ from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded
 from fsm_kernel.workflow.window import Summary, estimate_tokens, fit, summarized, to_condense
+
+if TYPE_CHECKING:
+    from fsm_kernel.workflow.output import ReplyCheck
 
 __all__ = [
     "BUILTIN_ACTIONS",
@@ -200,7 +203,19 @@ async def agent_think(ctx: RunContext) -> None:
     ctx.record(
         EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}
     )
-    apply_completion(ctx, completion, {t.name for t in offered})
+    apply_completion(ctx, completion, {t.name for t in offered}, await _checked(ctx, completion))
+
+
+async def _checked(ctx: RunContext, completion: Completion) -> ReplyCheck | None:
+    """The reply checked against the state's output schema, if it has one. A schema with
+    `pattern`s is checked in a process of its own (see `OutputSchema`): waited for off the
+    event loop, so the other runs of this process go on meanwhile."""
+    schema = ctx.output_schema
+    if schema is None:
+        return None
+    if schema.patterns:
+        return await asyncio.to_thread(schema.check_reply, completion)
+    return schema.check_reply(completion)
 
 
 async def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
@@ -331,15 +346,16 @@ def _request_options(ctx: RunContext) -> dict[str, Any]:
     return options
 
 
-def apply_completion(ctx: RunContext, completion: Completion, offered: set[str]) -> None:
+def apply_completion(
+    ctx: RunContext, completion: Completion, offered: set[str], check: ReplyCheck | None
+) -> None:
     """Fold a model answer into the context (shared by live runs and resume): a reply whose
-    answer fails the state's output schema is malformed, like a call of a tool not offered."""
+    answer fails the state's output schema (`check`, None without one) is malformed, like a
+    call of a tool not offered."""
     ctx.last_completion = completion
     ctx.completion_iteration = ctx.iteration
     ctx.usage = ctx.usage + completion.usage
     ctx.session.add(completion.message)
-    schema = ctx.output_schema
-    check = schema.check_reply(completion) if schema is not None else None
     ctx.last_output = check.value if check is not None else None
     ctx.output_error = check.problem if check is not None else None
     ctx.malformed_reason = _malformed_reason(completion, offered) or ctx.output_error

@@ -6,6 +6,7 @@ of levels deep, and a schema whose `$ref`s loop. Each is malformed output fed ba
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,33 @@ def test_validate_reports_a_looping_schema_at_its_line(
     assert done.code == 2
     assert f"{workflow}:4:" in done.err
     assert "loops back without descending into the value" in done.err
+
+
+def test_a_pattern_check_leaves_the_event_loop_to_the_other_runs(tmp_path: Path) -> None:
+    """The check of a reply against patterns runs in a process of its own for up to 2 s: it is
+    waited for off the event loop, so the process's other runs (and anything else on the loop)
+    go on meanwhile."""
+    from fsm_kernel.testing import ScriptedChatModel
+
+    hostile = json.dumps({"code": "a" * 40 + "!"})  # the check is stopped at its 2 s deadline
+    workflow = write(tmp_path, output=json.dumps(EVIL), budget=1)
+    ticks = 0
+
+    async def tick(done: asyncio.Event) -> None:
+        nonlocal ticks
+        while not done.is_set():
+            await asyncio.sleep(0.02)
+            ticks += 1
+
+    async def main() -> str:
+        done = asyncio.Event()
+        ticker = asyncio.ensure_future(tick(done))
+        model = ScriptedChatModel([hostile, hostile])
+        async with fsm_kernel.Agent(str(workflow), chat_model=model, store=None) as agent:
+            result = await agent.run("Weather in Oslo?")
+        done.set()
+        await ticker
+        return result.termination_reason
+
+    assert asyncio.run(main()) == "malformed_output"
+    assert ticks >= 25  # the loop turned all along (blocked, it turned about once)
