@@ -65,6 +65,8 @@ class UsageError(Exception):
     def __init__(self, message: str, parser: argparse.ArgumentParser) -> None:
         super().__init__(message)
         self.parser = parser
+        self.parsers = [parser]
+        """The parser that refused, then each parser above it that passed the error on."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,21 +103,23 @@ class _Parser(argparse.ArgumentParser):
         try:
             return super().parse_known_args(args, namespace)
         except UsageError as exc:
-            if exc.parser is not self or not str(exc).startswith(_REQUIRED):
+            if not str(exc).startswith(_REQUIRED):
                 raise
-            unknown = _unknown_options(self, list(sys.argv[1:] if args is None else args))
+            if self not in exc.parsers:  # a command's parser refused: the options before it
+                exc.parsers.append(self)  # are this one's (`fsm-kernel --bogus run`)
+            unknown = _unknown_options(exc.parsers, list(sys.argv[1:] if args is None else args))
             if not unknown:
                 raise
-            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}", self) from None
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}", exc.parser) from None
 
 
 _REQUIRED = "the following arguments are required"
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
-def _unknown_options(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """The arguments that look like options `parser` does not have (nor abbreviates)."""
-    known = set(parser._option_string_actions)
+def _unknown_options(parsers: Sequence[argparse.ArgumentParser], args: list[str]) -> list[str]:
+    """The arguments that look like options none of `parsers` has (nor abbreviates)."""
+    known = {option for parser in parsers for option in parser._option_string_actions}
     long_names = [option for option in known if option.startswith("--")]
     unknown = []
     for arg in args:

@@ -167,7 +167,14 @@ def test_a_run_that_did_not_succeed_exits_1(
 def test_an_unknown_option_is_named_before_a_missing_command(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for argv in (["--bogus"], ["run", "--bogus"], ["runs", "show", "--bogus"]):
+    for argv in (
+        ["--bogus"],
+        ["run", "--bogus"],
+        ["runs", "show", "--bogus"],
+        ["--bogus", "run"],  # before the command whose argument is missing
+        ["--bogus", "runs", "show"],
+        ["runs", "--bogus", "show"],
+    ):
         outcome = cli(capsys, *argv)
 
         assert_bad_input(outcome, "unrecognized arguments: --bogus")
@@ -175,3 +182,4 @@ def test_an_unknown_option_is_named_before_a_missing_command(
     # a command line without an unknown option still says what is missing
     assert_bad_input(cli(capsys, "--debug"), "the following arguments are required: COMMAND")
     assert_bad_input(cli(capsys, "run", "-p", "x"), "required: WORKFLOW")
+    assert_bad_input(cli(capsys, "--debug", "run", "-v"), "required: WORKFLOW")
