@@ -389,8 +389,9 @@ class RunSummary:
     """None while the run is in flight, waits for a person, or was killed (a resume clears
     the reason of the ending it reopens)."""
     status: str = "running"
-    """`running` (in flight, or killed), `waiting` (for a person's answer) or `ended` (for
-    termination_reason)."""
+    """`running` (a process drives it now), `interrupted` (recorded as running, but no process
+    holds its lock: it was killed, and `resume` continues it), `waiting` (for a person's
+    answer) or `ended` (for termination_reason)."""
     tokens: int = 0
     """Tokens its model calls used (prompt + completion, as the servers reported them)."""
     updated_at: datetime | None = None
@@ -400,7 +401,8 @@ class RunSummary:
 
     @property
     def shown_status(self) -> str:
-        """The status as people read it: running, waiting, or the termination reason."""
+        """The status as people read it: running, interrupted, waiting, or the termination
+        reason."""
         if self.status == "ended" and self.termination_reason:
             return self.termination_reason
         return self.status
