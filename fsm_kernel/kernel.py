@@ -36,13 +36,14 @@ from fsm_kernel.session import InMemorySession
 from fsm_kernel.streaming import TextDelta, deltas_to
 from fsm_kernel.workflow.actions import ANSWER_SHOWN, is_truncated, iteration_record
 from fsm_kernel.workflow.children import ChildResult, ChildRunner, take_shared_call
-from fsm_kernel.workflow.compiler import CompiledWorkflow, Machine
+from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
 from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.recovery import run_action
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
+from fsm_kernel.workflow.waiting import AWAIT_IN_PROCESS, wait_and_advance
 
 __all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
 
@@ -172,6 +173,7 @@ class Kernel:
         state_models: Mapping[str, ChatModel] | None = None,
         sleep: Sleep | None = None,
         children: ChildRunner | None = None,
+        await_timers: float = AWAIT_IN_PROCESS,
     ) -> None:
         """Args:
         workflow: the compiled workflow (compiled once per content; limits are not part of it).
@@ -185,6 +187,8 @@ class Kernel:
         state_models: the model of each state with its own `agent:` block (by state id).
         sleep: waits between a state's `retry:` attempts (default asyncio.sleep).
         children: runs the child runs of `workflow.call` / `workflow.map` states.
+        await_timers: a waiting state's timer due within this many seconds is slept on in
+            process rather than suspending the run (0: always suspend; a replay's).
         """
         self.tool_names = tuple(tool_names if tool_names is not None else workflow.spec.tool_names)
         self.human: HumanChannel = human or SuspendingChannel()
@@ -202,6 +206,7 @@ class Kernel:
         self.state_models: Mapping[str, ChatModel] = dict(state_models or {})
         self.sleep: Sleep = sleep or asyncio.sleep
         self.children = children
+        self.await_timers = await_timers
 
     # -- public API ----------------------------------------------------------------------
 
@@ -385,7 +390,7 @@ class Kernel:
         while not machine.is_final:
             state = machine.state
             await self._act(ctx, state, recorder)
-            fired = await machine.advance()
+            fired = await self._advance(ctx, machine, recorder)
             _check_deadline(ctx)
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
@@ -403,6 +408,18 @@ class Kernel:
                     "(limits.max_transitions)",
                 )
         return TerminationReason.FINAL_ANSWER
+
+    async def _advance(
+        self, ctx: RunContext, machine: Machine, recorder: RunRecorder
+    ) -> FiredTransition:
+        """The next transition; a waiting state's once its event or timer comes (see
+        workflow/waiting.py: it may suspend the run)."""
+        waits = self.workflow.waits.get(machine.state)
+        if waits is None:
+            return await machine.advance()
+        return await wait_and_advance(
+            ctx, machine, waits, recorder.record, in_process=self.await_timers
+        )
 
     async def _act(self, ctx: RunContext, state: str, recorder: RunRecorder) -> None:
         """Run the action of `state`, unless a limit ends the run first (in code, whatever the

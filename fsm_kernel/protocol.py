@@ -322,6 +322,16 @@ class EventType(StrEnum):
     NOTIFY_ATTEMPTED = "notify.attempted"
     """A `notify:` webhook was POSTed (after the run ended or suspended): the outcome of one
     attempt."""
+    TIMER_SET = "timer.set"
+    """A waiting state's `after:` edge started its timer: the edge and when it is due."""
+    TIMER_FIRED = "timer.fired"
+    """A timer came due while the run waited in its state: its edge is tried."""
+    TIMER_CANCELLED = "timer.cancelled"
+    """The run left a waiting state another way (an event, another timer): a timer it set
+    there will not fire."""
+    EVENT_DELIVERED = "event.delivered"
+    """A named event (`fsm-kernel signal`) was delivered to a run in a waiting state: its name
+    and data, and who sent it."""
 
 
 LIVE_ONLY_EVENTS = frozenset(

@@ -34,6 +34,8 @@ _SYNC_BEFORE = frozenset(
         EventType.TOOL_STARTED,
         EventType.RUN_TERMINATED,
         EventType.HUMAN_ANSWERED,  # a person's answer is never asked for twice
+        EventType.EVENT_DELIVERED,  # nor an event delivered, nor a timer fired
+        EventType.TIMER_FIRED,
         EventType.RUN_SUSPENDED,
     }
 )

@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from fsm_kernel import errors
@@ -225,6 +226,10 @@ class RecordedRun:
         """A person's answer, or where the run stands: suspended, ended, reopened."""
         if e.type == EventType.HUMAN_ANSWERED:
             self.answers.append(HumanAnswer.from_dict(e.data))
+        elif e.type == EventType.EVENT_DELIVERED:  # answers too: served in order on a re-drive
+            self.answers.append(HumanAnswer.from_dict({"kind": "event", **e.data}))
+        elif e.type == EventType.TIMER_FIRED:
+            self.answers.append(HumanAnswer.timer_fired(int(e.data["edge"])))
         elif e.type == EventType.RUN_SUSPENDED:
             self.waiting_for = dict(e.data.get("waiting_for") or {})
         elif e.type == EventType.RUN_TERMINATED:
@@ -338,10 +343,14 @@ async def resume_run(
         )
 
 
-def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> HumanAnswer | None:
+def check_answer(
+    run: RecordedRun, answer: HumanAnswer | None, *, now: datetime | None = None
+) -> HumanAnswer | None:
     """An answer is given exactly when the run waits for one, and of the kind it waits for;
     an approval answers the call the run showed (`waiting_for`), which must be the call its
     log asks about. Returns the answer bound to that call (see `HumanAnswer.bound_to`).
+    A run waiting for an event takes one it awaits, before its timer is due, or no answer
+    once the timer is due (`now`: the run's clock; without it the due time is not checked).
 
     Raises:
         AnswerError: otherwise, naming what the run waits for and how to answer.
@@ -356,6 +365,8 @@ def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> HumanAnswer | 
             )
         return None
     kind = str(waiting.get("kind"))
+    if kind == "event":
+        return _check_event(run, waiting, answer, now)
     if answer is None or answer.kind != kind:
         given = "no answer" if answer is None else answer.flag
         raise AnswerError(
@@ -381,6 +392,42 @@ def check_answer(run: RecordedRun, answer: HumanAnswer | None) -> HumanAnswer | 
     answer = answer.bound_to(shown)
     if not waiting.get("child_run_id"):  # a child's log holds its calls: its resume checks
         _check_asked(run, shown, answer)
+    return answer
+
+
+def _check_event(
+    run: RecordedRun, waiting: Mapping[str, Any], answer: HumanAnswer | None, now: datetime | None
+) -> HumanAnswer | None:
+    """An event the waiting state awaits, given before its timer is due; or none (a resume)
+    once the timer is due."""
+    events = [str(e) for e in waiting.get("events") or ()]
+    due_text = waiting.get("due")
+    due = datetime.fromisoformat(str(due_text)) if due_text else None
+    is_due = due is not None and now is not None and due <= now
+    where = f"in state {waiting.get('state')!r}"
+    awaited = ", ".join(events) or "no event"
+    if answer is None:
+        if is_due or (due is not None and now is None):
+            return None
+        later = f"; its timer is due at {due_text}" if due_text else ""
+        raise AnswerError(
+            f"run {run.run_id} waits for an event {where} ({awaited}){later}: deliver one "
+            f"with fsm-kernel signal {run.run_id} NAME, or resume it once the timer is due",
+            run_id=run.run_id,
+        )
+    if answer.kind != "event" or answer.event not in events:
+        given = answer.flag if answer.kind != "event" else f"event {answer.event!r}"
+        raise AnswerError(
+            f"run {run.run_id} waits {where} for {awaited}, not {given}: refused, nothing "
+            "was recorded",
+            run_id=run.run_id,
+        )
+    if is_due:
+        raise AnswerError(
+            f"run {run.run_id}'s timer {where} was due at {due_text}, before this event: "
+            f"resume it (the timer fires); event {answer.event!r} refused, nothing was recorded",
+            run_id=run.run_id,
+        )
     return answer
 
 
@@ -438,7 +485,7 @@ async def _resume_locked(
             "ended because the model server could not be reached, can be resumed",
             run_id=run.run_id,
         )
-    answer = check_answer(run, answer)  # bound to the call the run showed
+    answer = check_answer(run, answer, now=kernel.clock.now())  # bound to the call shown
     reopened, run.terminated = run.terminated, None
     recorded_hash = run.started.data.get("workflow_hash")
     new_hash = kernel.spec.content_hash
@@ -646,6 +693,7 @@ async def _replay(
         approval_required=frozenset(settings.get("approval") or ()),
         sleep=_no_wait,  # a replay takes no time: a retry's backoff is not waited for
         children=children,
+        await_timers=0,  # nor fires a timer the run did not: it suspends where the run did
     )
     result = await kernel.run(
         run.goal,

@@ -30,6 +30,8 @@ class TerminalChannel:
         self._out = out
 
     async def ask(self, question: Question) -> HumanAnswer:
+        if question.kind == "event":  # delivered by `fsm-kernel signal`, not typed here
+            raise Suspended(question)
         if question.kind == "approval":
             call = question.tool_call
             shown = "?" if call is None else f"{call.name}({_args(call.arguments)})"

@@ -59,7 +59,7 @@ __all__ = [
 CALL_ACTIONS = frozenset({"workflow.call", "workflow.map"})
 """The built-in actions that start child runs."""
 
-TEMPLATE_NAMES = frozenset({"goal", "answer", "output", "child", "children", "scratch"})
+TEMPLATE_NAMES = frozenset({"goal", "answer", "output", "child", "children", "scratch", "event"})
 """What an `input:` template and an `items:` path may start with (a map adds item, index)."""
 MAP_NAMES = frozenset({"item", "index"})
 
@@ -257,6 +257,7 @@ def _values(ctx: RunContext, extra: Mapping[str, Any]) -> dict[str, Any]:
         "child": last,
         "children": [c.answer for c in ctx.children],
         "scratch": ctx.scratch,
+        "event": ctx.event,  # the last event delivered: {event.name}, {event.data.x}
         **extra,
     }
 

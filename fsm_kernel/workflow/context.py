@@ -157,6 +157,9 @@ class KernelNotes:
     shared_calls: int | None = None
     """The model calls this run drew from the calls a map's children share (None: it is no
     child of a map with a cap); recorded in its ending, so its replay draws as many."""
+    trigger: tuple[str, str | int] | None = None
+    """What a waiting state is woken by, while its edges are tried: ("event", name) or
+    ("timer", edge index); None otherwise (its event and timer edges do not pass)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -228,6 +231,9 @@ class RunContext:
     the text of a `human.input` state); the guards `approved` and `rejected` read them."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Free space for users' own actions and guards (the kernel never writes here)."""
+    event: dict[str, Any] | None = None
+    """The last event delivered to the run (`fsm-kernel signal`): {"name": ..., "data": ...};
+    guards and templates (`{event.data.x}`) read it."""
     caught: CaughtError | None = None
     """The last failure a state's `catch:` routed (None until one does; the next replaces it):
     which state failed, how, and the error text. The `caught` guard reads it."""

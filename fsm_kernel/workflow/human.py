@@ -46,7 +46,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["approval", "input"]
+Kind = Literal["approval", "input", "event"]
 
 
 def arguments_digest(arguments: Mapping[str, Any]) -> str:
@@ -59,7 +59,8 @@ def arguments_digest(arguments: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Question:
-    """What a run waits for: approval of one tool call, or text from a person."""
+    """What a run waits for: approval of one tool call, text from a person, or (a waiting
+    state) one of its named events or its earliest timer."""
 
     kind: Kind
     state: str
@@ -69,6 +70,10 @@ class Question:
     """The question shown to the person (input only)."""
     child_run_id: str | None = None
     """The child run that asks (the parent waits with it; resume the parent to answer)."""
+    events: tuple[str, ...] = ()
+    """The events a waiting state awaits (event only)."""
+    due: str | None = None
+    """When its earliest timer is due, ISO 8601 UTC (event only; None without a timer)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The `waiting_for` object of `run.suspended`, `--json` and the Python result."""
@@ -83,6 +88,9 @@ class Question:
             d["prompt"] = self.prompt
         if self.child_run_id is not None:
             d["child_run_id"] = self.child_run_id
+        if self.kind == "event":
+            d["events"] = list(self.events)
+            d["due"] = self.due
         return d
 
     @classmethod
@@ -96,14 +104,20 @@ class Question:
                 name=str(call.get("name")),
                 arguments=dict(call.get("arguments") or {}),
             )
-        child = d.get("child_run_id")
+        child, due = d.get("child_run_id"), d.get("due")
         return cls(
-            kind="input" if d.get("kind") == "input" else "approval",
+            kind=_kind(d.get("kind")),
             state=str(d.get("state") or ""),
             tool_call=tool_call,
             prompt=d.get("prompt"),
             child_run_id=str(child) if child else None,
+            events=tuple(str(e) for e in d.get("events") or ()),
+            due=str(due) if due else None,
         )
+
+
+def _kind(value: object) -> Kind:
+    return "input" if value == "input" else "event" if value == "event" else "approval"
 
 
 def default_by() -> str:
@@ -131,9 +145,19 @@ class HumanAnswer:
     """approval: the id of the call it answers; None until bound (see `bound_to`)."""
     arguments_sha256: str | None = None
     """approval: `arguments_digest` of the arguments it answers; None until bound."""
+    event: str | None = None
+    """event: the name of the event delivered (None for a timer that fired)."""
+    data: Any = None
+    """event: the event's data (JSON), for guards and templates (`ctx.event`)."""
+    timer: int | None = None
+    """event: the index of the `after:` edge whose timer fired (None for a named event)."""
 
     def __post_init__(self) -> None:
         """Refuse text no store can record (a lone surrogate), before anything is recorded."""
+        if self.data is not None:
+            at = find_lone_surrogate(json.dumps(self.data, ensure_ascii=False))
+            if at >= 0:
+                raise AnswerError("the event's data is not valid text: it holds a lone surrogate")
         for name in ("text", "by"):
             value = getattr(self, name)
             at = find_lone_surrogate(value)
@@ -169,11 +193,23 @@ class HumanAnswer:
     def input(cls, text: str, *, by: str | None = None) -> HumanAnswer:
         return cls(kind="input", text=text, by=by or default_by())
 
+    @classmethod
+    def signal(cls, name: str, data: Any = None, *, by: str | None = None) -> HumanAnswer:
+        """Deliver the event `name` (with its JSON `data`) to a run in a waiting state."""
+        return cls(kind="event", event=name, data=data, by=by or default_by())
+
+    @classmethod
+    def timer_fired(cls, edge: int) -> HumanAnswer:
+        """The timer of the `after:` edge `edge` fired (the kernel's answer, not a person's)."""
+        return cls(kind="event", timer=edge, by="timer")
+
     @property
     def flag(self) -> str:
         """How the CLI gives this answer (for messages)."""
         if self.kind == "input":
             return "--input"
+        if self.kind == "event":
+            return f"signal {self.event}" if self.event is not None else "a timer"
         return "--approve" if self.approved else "--reject"
 
     def bound_to(self, call: ToolCall | Mapping[str, Any]) -> HumanAnswer:
@@ -205,13 +241,23 @@ class HumanAnswer:
                 d["tool_call_id"] = self.tool_call_id
             if self.arguments_sha256 is not None:
                 d["arguments_sha256"] = self.arguments_sha256
+        elif self.kind == "event":
+            if self.timer is not None:
+                d["timer"] = self.timer
+            else:
+                d["name"], d["data"] = self.event, self.data
         else:
             d["text"] = self.text
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HumanAnswer:
-        kind: Kind = "input" if d.get("kind") == "input" else "approval"
+        kind = _kind(d.get("kind"))
+        if kind == "event":
+            timer = d.get("timer")
+            if timer is not None:
+                return cls.timer_fired(int(timer))
+            return cls.signal(str(d.get("name")), d.get("data"), by=str(d.get("by") or "unknown"))
         text = d.get("text") if kind == "input" else d.get("reason")
         call_id, digest = d.get("tool_call_id"), d.get("arguments_sha256")
         return cls(
@@ -317,6 +363,8 @@ def _fits(answer: HumanAnswer, question: Question) -> bool:
 
 def kind_text(kind: str) -> str:
     """How to answer a question of `kind` (for messages)."""
+    if kind == "event":
+        return "an event (fsm-kernel signal RUN_ID NAME)"
     return "approval (--approve or --reject)" if kind == "approval" else "input (--input)"
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "TransitionSpec",
     "WorkflowSpec",
     "as_reason",
+    "parse_duration",
 ]
 
 
@@ -621,6 +622,20 @@ class StateSpec(_Model):
         return self._routes_children
 
 
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(s|m|h|d)$")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """`90s`, `30m`, `2h`, `1d` (a number and one unit) in seconds; None for anything else or
+    for zero (a timer that fires at once is no timer)."""
+    match = _DURATION.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        return None
+    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return seconds if seconds > 0 else None
+
+
 class TransitionSpec(_Model):
     """An edge; out of one state, edges are tried in file order, the first that passes fires."""
 
@@ -632,6 +647,26 @@ class TransitionSpec(_Model):
         default=None, description="Termination reason; required on edges into final states"
     )
     description: str = ""
+    event: str | None = Field(
+        default=None,
+        description="Fires when this named event is delivered (fsm-kernel signal RUN NAME); "
+        "only on edges out of a state without an action (a waiting state)",
+    )
+    after: str | None = Field(
+        default=None,
+        description="Fires once the run has waited this long in the source state: a number and "
+        "a unit, s, m, h or d (90s, 30m, 2h, 1d); only out of a state without an action",
+    )
+
+    @property
+    def waits(self) -> bool:
+        """An edge that fires on a named event or a timer (its source is a waiting state)."""
+        return self.event is not None or self.after is not None
+
+    @property
+    def after_seconds(self) -> float | None:
+        """`after:` in seconds (None when absent or not a duration; validate reports that)."""
+        return parse_duration(self.after) if self.after is not None else None
 
     @property
     def has_user_guard(self) -> bool:
@@ -640,10 +675,15 @@ class TransitionSpec(_Model):
 
     @property
     def is_guarded(self) -> bool:
-        return bool(self.guard or self.unless)
+        """It fires only when something holds: a guard, or its event or timer."""
+        return bool(self.guard or self.unless) or self.waits
 
     def label(self) -> str:
         parts = list(self.guard) + [f"not {name}" for name in self.unless]
+        if self.event is not None:
+            parts.insert(0, f"event {self.event}")
+        if self.after is not None:
+            parts.insert(0, f"after {self.after}")
         return " and ".join(parts)
 
 

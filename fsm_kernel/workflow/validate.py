@@ -377,6 +377,59 @@ def _check_transitions(spec: WorkflowSpec, out: Errors) -> None:
         _check_edge_end(spec, "transition", t.target, t.reason, out, "transitions", i)
 
 
+def _check_waits(spec: WorkflowSpec, out: Errors) -> None:
+    """`event:` and `after:` edges: a snake_case event name that is not reserved, a duration,
+    not both on one edge, only out of a state without an action (a state acts or waits), and
+    no unguarded plain edge beside them (it would fire at once: the state would never wait)."""
+    waiting = {t.source for t in spec.transitions if t.waits}
+    for i, t in enumerate(spec.transitions):
+        if t.event is not None and (not IDENT.match(t.event) or t.event in RESERVED_NAMES):
+            out.append(_fail(spec, _bad_event(t.event), "transitions", i, "event"))
+        if t.after is not None and t.after_seconds is None:
+            out.append(
+                _fail(
+                    spec,
+                    f"'after: {t.after}' is not a duration: a positive number and a unit, s, m, "
+                    "h or d (90s, 30m, 2h, 1d)",
+                    "transitions",
+                    i,
+                    "after",
+                )
+            )
+        if t.event is not None and t.after is not None:
+            both = "an edge fires on an 'event' or 'after' a time, not both"
+            out.append(_fail(spec, both, "transitions", i, "after"))
+        state = spec.states.get(t.source)
+        if state is None or t.source not in waiting:
+            continue
+        if t.waits and state.action:
+            key = "event" if t.event is not None else "after"
+            out.append(_fail(spec, _acting_source(t.source, key), "transitions", i, key))
+        elif not t.waits and not t.is_guarded and not state.action:
+            out.append(
+                _fail(
+                    spec,
+                    f"an unguarded transition out of waiting state {t.source!r} fires at once: "
+                    "the state never waits (give it a guard, or an 'event' or 'after')",
+                    "transitions",
+                    i,
+                )
+            )
+
+
+def _bad_event(name: str) -> str:
+    if name in RESERVED_NAMES:
+        return f"event name {name!r} is reserved (python-statemachine or the kernel use it)"
+    return f"event name {name!r} must be snake_case: a lower-case letter, then a-z, 0-9 or _"
+
+
+def _acting_source(source: str, key: str) -> str:
+    return (
+        f"'{key}:' only on edges out of a state without an action (a waiting state); state "
+        f"{source!r} runs an action: wait in a state of its own after it"
+    )
+
+
 def _check_edge_end(
     spec: WorkflowSpec, kind: str, target: str, reason: str | None, out: Errors, *where: object
 ) -> None:
@@ -479,7 +532,7 @@ def _check_fallbacks(spec: WorkflowSpec, out: Errors) -> None:
                         outgoing[pos + 1][0],
                     )
                 )
-        if outgoing[-1][1].is_guarded:
+        if outgoing[-1][1].is_guarded and not any(t.waits for _, t in outgoing):
             out.append(
                 _fail(
                     spec,
@@ -558,6 +611,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     _check_names(spec, out)
     _check_reasons(spec, out)
     _check_transitions(spec, out)
+    _check_waits(spec, out)
     _check_parallel_flags(spec, out)
     _check_children(spec, out)
     _check_mcp(spec, out)

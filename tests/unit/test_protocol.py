@@ -203,6 +203,10 @@ def test_event_types_are_a_stored_schema() -> None:
         "child.started",
         "child.finished",
         "notify.attempted",
+        "timer.set",
+        "timer.fired",
+        "timer.cancelled",
+        "event.delivered",
     ]
 
 
