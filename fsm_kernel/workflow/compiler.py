@@ -4,16 +4,6 @@ The ONLY module that imports statemachine. The machine decides; it does not act:
 transition fires on the one event `next`, guards read the RunContext (the machine's model), and
 the kernel runs each state's action before sending `next`. So the machine stays synchronous,
 pure and cheap to test, and the kernel owns async work, time and cancellation.
-
-Compound states are compiled flat: the engine has one state per state without children (and
-per top-level final state), and each gets the edges of the compound states it is inside first,
-outermost first, then its own (see workflow/compound.py). python-statemachine's own compound
-states follow SCXML, where the innermost state's enabled edge wins; the workflow language
-follows STATEMATE, where a parent's edge (a limit, an escalation, a cancel) wins from every state
-inside it, which nesting in the engine cannot express. Flat, the run is always in exactly one
-engine state, so the decision cache, resume and replay work as for a flat workflow; history is
-the last state the run was in inside each compound state, kept by the Machine and rebuilt when a
-resume or a replay re-drives the run from its start. Events carry the full path (research.think).
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ from statemachine.io import create_machine_class_from_definition
 
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
-from fsm_kernel.workflow.compound import edges_tried, final_child_of, history_entry, leaves
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
@@ -54,11 +43,6 @@ class FiredTransition:
     final: bool
     catch: str | None = None
     """For a catch edge: the error kind of its `catch:` entry (agent_error, error, any)."""
-    path_from: str | None = None
-    """In a workflow with compound states: the full path of the state the run left
-    (research.think), whichever state inside it the edge was declared on."""
-    path_to: str | None = None
-    """... and of the state it entered (research.think when the edge targets research)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -70,8 +54,6 @@ class FiredTransition:
         }
         if self.catch is not None:
             data["catch"] = self.catch
-        if self.path_to is not None:
-            data["from"], data["to"] = self.path_from, self.path_to
         return data
 
 
@@ -87,34 +69,11 @@ class Machine:
         self.ctx = ctx
         self._sm: StateChart[Any] | None = None
         self._where: tuple[str, bool]
-        self.last_inside: dict[str, str] = {}
-        """Each compound state → the state the run was last in inside it (its history)."""
-        self._arrive(compiled.spec.entry(start or compiled.spec.initial))
+        self._arrive(start or compiled.spec.initial)
 
     def _arrive(self, state: str) -> None:
-        spec = self.compiled.spec
-        self._where = (state, spec.ends_run(state))
+        self._where = (state, self.compiled.spec.states[state].final)
         self.ctx.current_state = state
-        for compound in spec.ancestors(state):
-            self.last_inside[compound] = state
-
-    def entered_data(self) -> dict[str, Any]:
-        """The data of the `state.entered` event for the current state: its full path in a
-        workflow with compound states ({"path": "research.think"}), else nothing."""
-        spec = self.compiled.spec
-        return {"path": spec.state_path(self.state)} if spec.has_compound else {}
-
-    def _landing(self, index: int) -> str:
-        """The state an edge leads to: its target, or inside a compound target its initial
-        entry, or with `enter: history` where the run last was in it."""
-        spec = self.compiled.spec
-        edge = spec.catch_edge(index)
-        if edge is not None:
-            return spec.entry(edge.target)
-        t = spec.transitions[index]
-        if t.enter == "history":
-            return history_entry(spec, t.target, self.last_inside)
-        return spec.entry(t.target)
 
     def _engine(self) -> StateChart[Any]:
         """The engine, at the current state (built on first use)."""
