@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any, Protocol
 
-from fsm_kernel.errors import StoreError, StoreSchemaError
+from fsm_kernel.errors import StoreConflictError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Clock, new_id
 from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
@@ -30,6 +30,7 @@ from fsm_kernel.scheduler.queue import (
     NOTIFY_CHANNEL,
     SCHEMA_VERSION,
     TABLE,
+    Completion,
     Dispatch,
     DispatchStatus,
     abandoned_sql,
@@ -51,7 +52,12 @@ __all__ = [
     "Dialect",
     "Executor",
     "SqlDispatchQueue",
+    "best_claimable",
+    "claim_assignments",
     "claim_update",
+    "claimable_sql",
+    "in_claim_order",
+    "live_count",
     "notify_item",
     "reap_update",
     "sqlite_ts",
@@ -79,6 +85,11 @@ class Executor(Protocol):
     """A connection of either driver."""
 
     def execute(self, sql: str, params: Any = ..., /) -> Rows: ...
+
+
+def in_claim_order(claimed: list[Dispatch]) -> list[Dispatch]:
+    """Claimed dispatches best first (an UPDATE returns its rows in no particular order)."""
+    return sorted(claimed, key=lambda d: (-d.priority, d.created_at, d.dispatch_id))
 
 
 def sqlite_ts(moment: datetime) -> str:
@@ -235,39 +246,67 @@ WHERE kernel_id = {kernel} AND status = 'running' AND lease_expires_at <= {now}
     AND (attempts >= max_attempts OR cancel_requested_at IS NOT NULL)"""
 
 
-def claim_update(name: Callable[[str], str], member: str = "({})") -> str:
-    """The UPDATE (without RETURNING) that claims the best claimable dispatch of a kernel while
-    fewer than the cap run under live leases. `name` gives the placeholders of worker, expires,
-    now, kernel and cap; `member` wraps each member of the UNION ALL.
-
-    Two index lookups (the best pending row, the best reclaimable one) instead of one scan over
-    "pending OR expired": each is served by a partial index that holds no finished rows. The
-    status test is repeated outside the subquery because PostgreSQL re-checks only the outer
-    conditions on a row that changed while the UPDATE waited for its row lock."""
-    now, kernel = name("now"), name("kernel")
-    reclaimable = (
+def reclaimable_sql(now: str) -> str:
+    """A running row whose lease expired and that may be claimed again."""
+    return (
         f"status = 'running' AND lease_expires_at <= {now} AND attempts < max_attempts "
         "AND cancel_requested_at IS NULL"
     )
+
+
+def claimable_sql(now: str) -> str:
+    """The claim's condition on a row, repeated outside the subqueries because PostgreSQL
+    re-checks only the outer conditions on a row that changed while the statement waited for
+    its row lock."""
+    return f"(status = 'pending' OR ({reclaimable_sql(now)}))"
+
+
+def best_claimable(name: Callable[[str], str], member: str = "({})") -> str:
+    """The ids of a kernel's best claimable dispatches, at most `limit` of them (placeholders
+    now, kernel and limit; `member` wraps each member of the UNION ALL).
+
+    Two index lookups (the best pending rows, the best reclaimable ones) instead of one scan
+    over "pending OR expired": each is served by a partial index that holds no finished rows."""
+    now, kernel, limit = name("now"), name("kernel"), name("limit")
     pending = member.format(
         f"SELECT dispatch_id, priority, created_at FROM {TABLE}\n"
-        f"            WHERE kernel_id = {kernel} AND status = 'pending' {ORDER} LIMIT 1"
+        f"            WHERE kernel_id = {kernel} AND status = 'pending' {ORDER} LIMIT {limit}"
     )
     expired = member.format(
         f"SELECT dispatch_id, priority, created_at FROM {TABLE}\n"
-        f"            WHERE kernel_id = {kernel} AND {reclaimable} {ORDER} LIMIT 1"
+        f"            WHERE kernel_id = {kernel} AND {reclaimable_sql(now)} {ORDER} "
+        f"LIMIT {limit}"
     )
-    return f"""UPDATE {TABLE} SET status = 'running', worker_id = {name("worker")},
-    lease_expires_at = {name("expires")}, attempts = attempts + 1, started_at = {now}
-WHERE dispatch_id = (
-    SELECT dispatch_id FROM (
+    return f"""SELECT dispatch_id FROM (
         {pending}
         UNION ALL
         {expired}
-    ) AS candidates {ORDER} LIMIT 1)
-AND (status = 'pending' OR ({reclaimable}))
-AND (SELECT count(*) FROM {TABLE} WHERE kernel_id = {kernel} AND status = 'running'
-     AND lease_expires_at > {now}) < {name("cap")}"""
+    ) AS candidates {ORDER} LIMIT {limit}"""
+
+
+def claim_assignments(name: Callable[[str], str]) -> str:
+    """The SET clause of a claim (placeholders worker, expires and now)."""
+    return (
+        f"status = 'running', worker_id = {name('worker')}, lease_expires_at = "
+        f"{name('expires')}, attempts = attempts + 1, started_at = {name('now')}"
+    )
+
+
+def live_count(name: Callable[[str], str]) -> str:
+    """How many dispatches of the kernel run under live leases (placeholders kernel, now)."""
+    return (
+        f"SELECT count(*) AS n FROM {TABLE} WHERE kernel_id = {name('kernel')} "
+        f"AND status = 'running' AND lease_expires_at > {name('now')}"
+    )
+
+
+def claim_update(name: Callable[[str], str], member: str = "({})") -> str:
+    """The UPDATE (without RETURNING) that claims the `limit` best claimable dispatches of a
+    kernel. The caller bounds `limit` by the room the cap leaves, counted (`live_count`) in the
+    same transaction while no other claim of the kernel can commit (SQLite's writer lock)."""
+    return f"""UPDATE {TABLE} SET {claim_assignments(name)}
+WHERE dispatch_id IN ({best_claimable(name, member)})
+AND {claimable_sql(name("now"))}"""
 
 
 SQLITE: Dialect = Dialect(
@@ -399,6 +438,60 @@ class SqlDispatchQueue:
         reaped = [Dispatch.from_row(r) for r in rows]
         log_reaped(reaped)
         return reaped
+
+    def claim_batch(
+        self,
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> builtins.list[Dispatch]:
+        raise NotImplementedError
+
+    def claim(
+        self, kernel_id: str, worker_id: str, lease_seconds: float, max_concurrent: int
+    ) -> Dispatch | None:
+        claimed = self.claim_batch(kernel_id, worker_id, lease_seconds, max_concurrent, 1)
+        return claimed[0] if claimed else None
+
+    def complete_batch(
+        self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
+    ) -> builtins.list[Dispatch | StoreConflictError]:
+        """Each completion's fenced update, all in one write transaction (one commit)."""
+        now = self.clock.now()
+        results: builtins.list[Dispatch | StoreConflictError] = []
+        with self._transaction() as conn:
+            for c in completions:
+                assignments, params = self._completion_set(c.status, now, c)
+                try:
+                    results.append(
+                        self._fenced_on(
+                            conn,
+                            assignments,
+                            params,
+                            c.dispatch_id,
+                            c.worker_id,
+                            c.attempt,
+                            (max_concurrent, now),
+                        )
+                    )
+                except StoreConflictError as exc:
+                    results.append(exc)
+        return results
+
+    def _completion_set(
+        self, status: DispatchStatus | str, now: datetime, c: Completion | None = None
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The SET clause recording an outcome, and its parameters (from `c` when given)."""
+        final = validate_final_status(status)
+        p = self.dialect.param
+        fields = (c.run_id, c.termination_reason, c.error) if c else (None, None, None)
+        return (
+            f"status = {p}, run_id = {p}, termination_reason = {p}, error = {p}, "
+            f"finished_at = {p}, lease_expires_at = NULL",
+            (final.value, *fields, self.dialect.to_db_ts(now)),
+        )
 
     def heartbeat(
         self, dispatch_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
@@ -532,6 +625,22 @@ class SqlDispatchQueue:
     ) -> Dispatch:
         """Change the row only while it is still running under this worker (and attempt);
         StoreConflictError otherwise."""
+        with self._write() as conn:
+            return self._fenced_on(
+                conn, assignments, params, dispatch_id, worker_id, attempt, notify
+            )
+
+    def _fenced_on(
+        self,
+        conn: Executor,
+        assignments: str,
+        params: tuple[Any, ...],
+        dispatch_id: str,
+        worker_id: str,
+        attempt: int | None,
+        notify: tuple[int | None, datetime] | None,
+    ) -> Dispatch:
+        """`_fenced_update` on a connection the caller holds (a transaction of several)."""
         p = self.dialect.param
         sql, params = self._fenced_sql(
             f"UPDATE {TABLE} SET {assignments} WHERE dispatch_id = {p} AND status = 'running' "
@@ -540,14 +649,12 @@ class SqlDispatchQueue:
             (*params, dispatch_id, worker_id, attempt, attempt),
             notify,
         )
-        with self._write() as conn:
-            row = conn.execute(sql, params).fetchone()
-            if row is None:
-                current = conn.execute(f"{SELECT} WHERE dispatch_id = {p}", (dispatch_id,))
-                found = current.fetchone()
-                raise lease_conflict(
-                    dispatch_id, worker_id, Dispatch.from_row(found) if found else None
-                )
+        row = conn.execute(sql, params).fetchone()
+        if row is None:
+            found = conn.execute(f"{SELECT} WHERE dispatch_id = {p}", (dispatch_id,)).fetchone()
+            raise lease_conflict(
+                dispatch_id, worker_id, Dispatch.from_row(found) if found else None
+            )
         return Dispatch.from_row(row)
 
     def _now(self) -> Any:

@@ -20,10 +20,17 @@ from typing import Any
 from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.notify import DispatchNotifier
 from fsm_kernel.scheduler.config import AgentSpec, SchedulerConfig
-from fsm_kernel.scheduler.queue import CANCELLED_RUNNING, Dispatch, DispatchQueue, DispatchStatus
+from fsm_kernel.scheduler.queue import (
+    CANCELLED_RUNNING,
+    Completion,
+    Dispatch,
+    DispatchQueue,
+    DispatchStatus,
+)
 
 __all__ = [
     "AgentRunner",
+    "CompletionBuffer",
     "DispatchDetail",
     "DispatchExecutor",
     "ExecutionStatus",
@@ -35,6 +42,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 500
+MAX_COMPLETION_BATCH = 100
+"""Outcomes recorded by one statement at most."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +113,51 @@ def one_line_error(exc: BaseException) -> str:
     return line[:_MAX_ERROR_CHARS]
 
 
+class CompletionBuffer:
+    """Records outcomes in batches: the outcomes that arrive in one turn of the event loop, or
+    while the previous batch is being written, go to the store together (`complete_batch`: one
+    thread hop, one statement, one commit), each awaited by the run it ends. A lost lease fails
+    only the outcome it concerns; a store failure fails the whole batch (nothing recorded)."""
+
+    def __init__(self, queue: DispatchQueue, max_concurrent: int | None) -> None:
+        self.queue = queue
+        self.max_concurrent = max_concurrent
+        self._pending: list[tuple[Completion, asyncio.Future[Dispatch]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def complete(self, completion: Completion) -> Dispatch:
+        """The finished row. StoreConflictError if the lease was lost, StoreError if the store
+        failed."""
+        future: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
+        self._pending.append((completion, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # the outcomes of this turn of the loop join the batch
+        while self._pending:
+            batch = self._pending[:MAX_COMPLETION_BATCH]
+            del self._pending[:MAX_COMPLETION_BATCH]
+            results: list[Dispatch | Exception]
+            try:
+                recorded = await asyncio.to_thread(
+                    self.queue.complete_batch,
+                    [completion for completion, _ in batch],
+                    max_concurrent=self.max_concurrent,
+                )
+                results = list(recorded)
+            except Exception as exc:  # handed to every run of the batch, which logs it
+                results = [exc] * len(batch)
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():  # its run was cancelled meanwhile
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+
 class DispatchExecutor:
     """Runs claimed dispatches for one worker id."""
 
@@ -120,6 +174,7 @@ class DispatchExecutor:
         self.runner = runner
         self.worker_id = worker_id
         self._cancels: dict[str, asyncio.Event] = {}
+        self._completions = CompletionBuffer(queue, config.max_concurrent)
         self.notifier = DispatchNotifier(config.notify, config.store) if config.notify else None
         """Tells the config's `notify:` webhooks about failed dispatches."""
 
@@ -214,16 +269,16 @@ class DispatchExecutor:
         else:
             status = ExecutionStatus.FAILED
         try:
-            await asyncio.to_thread(
-                self.queue.complete,
-                dispatch.dispatch_id,
-                self.worker_id,
-                status=DispatchStatus(status.value),
-                run_id=outcome.run_id,
-                termination_reason=outcome.termination_reason,
-                error=outcome.error,
-                attempt=dispatch.attempts,
-                max_concurrent=self.config.max_concurrent,
+            await self._completions.complete(
+                Completion(
+                    dispatch_id=dispatch.dispatch_id,
+                    worker_id=self.worker_id,
+                    attempt=dispatch.attempts,
+                    status=DispatchStatus(status.value),
+                    run_id=outcome.run_id,
+                    termination_reason=outcome.termination_reason,
+                    error=outcome.error,
+                )
             )
         except StoreError as exc:
             logger.warning("dispatch %s: outcome not recorded: %s", dispatch.dispatch_id, exc)

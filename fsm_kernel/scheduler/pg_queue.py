@@ -21,6 +21,7 @@ therefore keep their clocks in sync (NTP); skew shortens or lengthens leases by 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import threading
 from collections.abc import Iterator
@@ -29,14 +30,18 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from fsm_kernel.errors import StoreError
+from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.protocol import Clock, SystemClock
 from fsm_kernel.scheduler._queue_sql import (
     COLS,
     POSTGRES,
     Executor,
     SqlDispatchQueue,
-    claim_update,
+    best_claimable,
+    claim_assignments,
+    claimable_sql,
+    in_claim_order,
+    live_count,
     notify_item,
     reap_update,
 )
@@ -44,10 +49,13 @@ from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
     NOTIFY_CHANNEL,
     TABLE,
+    Completion,
     Dispatch,
     DispatchStatus,
     QueueSignal,
+    lease_conflict,
     log_reaped,
+    validate_final_status,
 )
 
 try:
@@ -72,22 +80,32 @@ def _p(name: str) -> str:
     return f"p_{name}"
 
 
-_CLAIM_FUNCTION = "fsm_kernel_claim_dispatch"
-_CLAIM_SIGNATURE = f"{_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text)"
-# A claim is one prepared call of this function: one round trip, plans cached by the server, and
-# the advisory lock held only while the server works, never while a message travels or the
-# client waits for a CPU (sent as separate statements, 16 workers on 2 cores queued behind a
-# descheduled lock holder). Being VOLATILE, each statement inside takes a fresh snapshot, so
-# the count sees everything the previous holder of the lock committed. No SKIP LOCKED is needed
-# (claims of a kernel take turns). Rows come back as the reaped ones (failed, cancelled), then
-# the claimed one.
+def _room(name: str) -> str:
+    """A parameter of the claim function, the batch's size being the room the cap leaves."""
+    return "room" if name == "limit" else _p(name)
+
+
+_CLAIM_FUNCTION = "fsm_kernel_claim_dispatches"
+_CLAIM_SIGNATURE = (
+    f"{_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text, integer)"
+)
+# A claim of up to p_limit dispatches is one prepared call of this function: one round trip,
+# plans cached by the server, and the advisory lock held only while the server works, never
+# while a message travels or the client waits for a CPU (sent as separate statements, 16
+# workers on 2 cores queued behind a descheduled lock holder). Being VOLATILE, each statement
+# inside takes a fresh snapshot, so the count sees everything the previous holder of the lock
+# committed, and the room it leaves bounds the batch: the fleet never runs more than p_cap. The
+# rows are taken FOR UPDATE SKIP LOCKED, so a row a completion, heartbeat or cancel is changing
+# is passed over instead of waited for (with the lock held). Rows come back as the reaped ones
+# (failed, cancelled), then the claimed ones.
 _CLAIM_DDL = f"""
 CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
-    p_cancelled text)
+    p_cancelled text, p_limit integer)
 RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     reaped {TABLE};
+    room integer;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('{_CLAIM_LOCK_PREFIX}' || p_kernel, 0));
     FOR reaped IN
@@ -98,12 +116,22 @@ BEGIN
                           'ended ' || reaped.kernel_id || ' ' || reaped.dispatch_id);
         RETURN NEXT reaped;
     END LOOP;
+    SELECT least(p_limit, p_cap - live.n) INTO room FROM ({live_count(_p)}) AS live;
+    IF room <= 0 THEN
+        RETURN;
+    END IF;
     RETURN QUERY
-    {claim_update(_p)}
-    RETURNING *;
+    WITH picked AS (
+        SELECT dispatch_id FROM {TABLE}
+        WHERE dispatch_id = ANY(ARRAY({best_claimable(_room)}))
+        AND {claimable_sql(_p("now"))}
+        FOR UPDATE SKIP LOCKED)
+    UPDATE {TABLE} AS t SET {claim_assignments(_p)}
+    FROM picked WHERE t.dispatch_id = picked.dispatch_id
+    RETURNING t.*;
 END
 $fn$"""
-_CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s)"
+_CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s)"
 # After a dispatch ends: the `changed` row still counts as running in this statement's snapshot,
 # so "count >= cap" means the kernel was full. Notifying every end would wake every idle worker
 # of the fleet for nothing while the cap is not binding.
@@ -114,6 +142,21 @@ SELECT changed.*, CASE WHEN %s::integer IS NULL OR (
     AND EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.kernel_id = changed.kernel_id
         AND t.status = 'pending'))
 THEN {notify_item("ended")} END AS notified FROM changed"""
+# Several outcomes in one statement, each fenced like `complete` (status, worker, attempt).
+_COMPLETE_BATCH = f"""
+WITH outcome AS (
+    SELECT * FROM unnest(%s::text[], %s::text[], %s::integer[], %s::text[], %s::text[],
+                         %s::text[], %s::text[])
+        AS o(dispatch_id, worker_id, attempt, status, run_id, termination_reason, error)),
+changed AS (
+    UPDATE {TABLE} AS t SET status = o.status, run_id = o.run_id,
+        termination_reason = o.termination_reason, error = o.error, finished_at = %s,
+        lease_expires_at = NULL
+    FROM outcome AS o
+    WHERE t.dispatch_id = o.dispatch_id AND t.status = 'running'
+        AND t.worker_id = o.worker_id AND t.attempts = o.attempt
+    RETURNING t.*)
+{_NOTIFY_IF_SLOT_AWAITED}"""
 
 
 class PostgresDispatchQueue(SqlDispatchQueue):
@@ -139,17 +182,55 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         with self._lock:
             self._drop_connection()
 
-    def claim(
-        self, kernel_id: str, worker_id: str, lease_seconds: float, max_concurrent: int
-    ) -> Dispatch | None:
+    def claim_batch(
+        self,
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> builtins.list[Dispatch]:
         now = self.clock.now()
         expires = now + timedelta(seconds=lease_seconds)
-        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED)
+        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
             rows = [Dispatch.from_row(r) for r in conn.execute(_CLAIM, params).fetchall()]
-        claimed = [d for d in rows if d.status is DispatchStatus.RUNNING]
         log_reaped([d for d in rows if d.status is not DispatchStatus.RUNNING])
-        return claimed[0] if claimed else None
+        return in_claim_order([d for d in rows if d.status is DispatchStatus.RUNNING])
+
+    def complete_batch(
+        self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
+    ) -> builtins.list[Dispatch | StoreConflictError]:
+        """One statement for the whole batch: the outcomes travel as arrays, each row fenced
+        by its worker and attempt; a row it did not change is read back for its conflict."""
+        if not completions:
+            return []
+        statuses = [validate_final_status(c.status).value for c in completions]
+        now = self.clock.now()
+        columns = [
+            [getattr(c, name) for c in completions]
+            for name in ("dispatch_id", "worker_id", "attempt")
+        ]
+        outcomes = [
+            [getattr(c, name) for c in completions]
+            for name in ("run_id", "termination_reason", "error")
+        ]
+        params = (*columns, statuses, *outcomes, now, max_concurrent, now, max_concurrent)
+        with self._session() as conn:
+            rows = conn.execute(_COMPLETE_BATCH, params).fetchall()
+            done = {row["dispatch_id"]: Dispatch.from_row(row) for row in rows}
+            lost = [c.dispatch_id for c in completions if c.dispatch_id not in done]
+            current: dict[str, Dispatch] = {}
+            if lost:
+                found = conn.execute(
+                    f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (lost,)
+                )
+                current = {row["dispatch_id"]: Dispatch.from_row(row) for row in found.fetchall()}
+        return [
+            done.get(c.dispatch_id)
+            or lease_conflict(c.dispatch_id, c.worker_id, current.get(c.dispatch_id))
+            for c in completions
+        ]
 
     def listener(self, kernel_id: str) -> PostgresDispatchListener:
         return PostgresDispatchListener(self.dsn, kernel_id)

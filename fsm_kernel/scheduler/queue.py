@@ -40,6 +40,7 @@ __all__ = [
     "NOTIFY_CHANNEL",
     "SCHEMA_VERSION",
     "TABLE",
+    "Completion",
     "Dispatch",
     "DispatchListener",
     "DispatchQueue",
@@ -165,6 +166,20 @@ class Dispatch:
         return cls(**values)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One outcome to record with `complete_batch`: the fields of `complete`, fenced by the
+    worker and the attempt (the claim) that produced it."""
+
+    dispatch_id: str
+    worker_id: str
+    attempt: int
+    status: DispatchStatus
+    run_id: str | None = None
+    termination_reason: str | None = None
+    error: str | None = None
+
+
 @dataclass(frozen=True)
 class QueueSignal:
     """A notification from the queue: `enqueued`, `ended` (a slot may be free), `cancel` (a
@@ -233,6 +248,19 @@ class DispatchQueue(Protocol):
         there is nothing to take or no free slot."""
         ...
 
+    def claim_batch(
+        self,
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> builtins.list[Dispatch]:
+        """`claim` for up to `limit` dispatches at once, in one statement (PostgreSQL: one
+        round trip): as many as `limit` and the room `max_concurrent` leaves allow, best
+        first. Empty when there is nothing to take or no free slot."""
+        ...
+
     def heartbeat(
         self, dispatch_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
     ) -> Dispatch:
@@ -255,6 +283,15 @@ class DispatchQueue(Protocol):
         """Record the outcome (done, failed, cancelled, or waiting for a person).
         StoreConflictError if the lease was lost. `max_concurrent` (the kernel's cap) lets a
         notifying backend wake waiting workers only when this end frees a slot they wait for."""
+        ...
+
+    def complete_batch(
+        self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
+    ) -> builtins.list[Dispatch | StoreConflictError]:
+        """`complete` for several dispatches in one transaction (PostgreSQL: one statement);
+        each result, in order, is the finished row or the StoreConflictError of a lease that
+        was lost (that outcome is not recorded). StoreError if the store failed: nothing was
+        recorded."""
         ...
 
     def settle_waiting(

@@ -9,6 +9,7 @@ The operations both adapters do alike, and the SQL, are in _queue_sql.py.
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -18,13 +19,21 @@ from pathlib import Path
 
 from fsm_kernel.errors import StoreError
 from fsm_kernel.protocol import Clock, SystemClock
-from fsm_kernel.scheduler._queue_sql import RETURNING, SQLITE, SqlDispatchQueue, sqlite_ts
+from fsm_kernel.scheduler._queue_sql import (
+    RETURNING,
+    SQLITE,
+    SqlDispatchQueue,
+    in_claim_order,
+    live_count,
+    sqlite_ts,
+)
 from fsm_kernel.scheduler.queue import CANCELLED_EXPIRED, Dispatch, DispatchListener, log_reaped
 
 __all__ = ["SqliteDispatchQueue"]
 
 _REAP: str = SQLITE.reap
 _CLAIM: str = f"{SQLITE.claim(SQLITE.n)}\n{RETURNING}"
+_LIVE: str = live_count(SQLITE.n)
 _ts = sqlite_ts
 
 
@@ -50,23 +59,31 @@ class SqliteDispatchQueue(SqlDispatchQueue):
                 self._conn.close()
                 self._conn = None
 
-    def claim(
-        self, kernel_id: str, worker_id: str, lease_seconds: float, max_concurrent: int
-    ) -> Dispatch | None:
+    def claim_batch(
+        self,
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> builtins.list[Dispatch]:
+        """Reap, count the live leases, claim what the room allows: one transaction under the
+        writer lock, so no other claim interleaves."""
         now = self.clock.now()
-        params = {
+        params: dict[str, object] = {
             "worker": worker_id,
             "expires": _ts(now + timedelta(seconds=lease_seconds)),
             "now": _ts(now),
             "kernel": kernel_id,
-            "cap": max_concurrent,
             "cancelled": CANCELLED_EXPIRED,
         }
         with self._transaction() as conn:
             reaped = [Dispatch.from_row(r) for r in conn.execute(_REAP, params).fetchall()]
-            row = conn.execute(_CLAIM, params).fetchone()
+            running = int(conn.execute(_LIVE, params).fetchone()["n"])
+            room = min(limit, max_concurrent - running)
+            rows = conn.execute(_CLAIM, {**params, "limit": room}).fetchall() if room > 0 else []
         log_reaped(reaped)
-        return Dispatch.from_row(row) if row else None
+        return in_claim_order([Dispatch.from_row(row) for row in rows])
 
     def listener(self, kernel_id: str) -> DispatchListener | None:
         return None  # SQLite has no notifications: workers poll

@@ -112,13 +112,14 @@ class Worker:
     async def _loop(self) -> None:
         while not self.stopping:
             self._changed.clear()  # from now on, a change means: look again
-            if len(self._in_flight) >= self.concurrency:
+            free = self.concurrency - len(self._in_flight)
+            if free <= 0:
                 await self._changed.wait()  # busy: only the end of a run frees a slot here
                 continue
-            dispatch = await self._claim()
-            if dispatch is not None:
+            claimed = await self._claim(free)
+            for dispatch in claimed:
                 self._start(dispatch)
-            else:
+            if len(claimed) < free:  # the queue (or the fleet's cap) had no more for now
                 await self._wait()
         await asyncio.gather(*self._in_flight)
 
@@ -134,19 +135,22 @@ class Worker:
                     self.listening.set()
                 self._changed.set()  # enqueued, ended (a slot may be free), reconnected
 
-    async def _claim(self) -> Dispatch | None:
+    async def _claim(self, free: int) -> list[Dispatch]:
+        """As many dispatches as there are free slots (fewer if the fleet's cap or the queue
+        has fewer), in one call: one thread hop and one statement per batch."""
         config = self.config
         try:
             return await asyncio.to_thread(
-                self.queue.claim,
+                self.queue.claim_batch,
                 config.kernel_id,
                 self.worker_id,
                 config.lease_seconds,
                 config.max_concurrent,
+                free,
             )
         except StoreError as exc:
             logger.warning("worker %s: claim failed, retrying: %s", self.worker_id, exc)
-            return None
+            return []
 
     def _start(self, dispatch: Dispatch) -> None:
         task = asyncio.create_task(self._execute(dispatch))

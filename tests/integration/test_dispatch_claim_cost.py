@@ -27,8 +27,8 @@ def test_sqlite_claim_and_reap_plans_search_partial_indexes_only(tmp_path: Path)
         "expires": "x",
         "now": "y",
         "kernel": K,
-        "cap": 3,
         "cancelled": "c",
+        "limit": 3,
     }
     with sqlite3.connect(tmp_path / "runs.db") as conn:
         plans = {

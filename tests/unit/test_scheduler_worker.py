@@ -156,11 +156,11 @@ def test_cancelling_the_worker_abandons_its_runs(
 class FlakyClaimQueue(SqliteDispatchQueue):
     failures = 2
 
-    def claim(self, *args: Any, **kwargs: Any) -> Any:
+    def claim_batch(self, *args: Any, **kwargs: Any) -> Any:
         if self.failures:
             self.failures -= 1
             raise StoreError("connection refused")
-        return super().claim(*args, **kwargs)
+        return super().claim_batch(*args, **kwargs)
 
 
 def test_claim_failures_are_retried(tmp_path: Path, clock: FakeClock) -> None:
