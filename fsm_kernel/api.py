@@ -389,6 +389,29 @@ class Agent:
             kernel, store, run.run_id, force=force, overrides=given.given(), answer=answer
         )
 
+    async def signal(
+        self,
+        run_id: str,
+        name: str,
+        data: Any = None,
+        *,
+        by: str | None = None,
+        force: bool = False,
+        **overrides: Any,
+    ) -> RunResult:
+        """Deliver the event `name` (with its JSON `data`: guards read `ctx.event`, templates
+        `{event.data.KEY}`) to a run waiting in a state whose edges carry `event: NAME`, and
+        continue it (as `resume` does; `force` and `overrides` as there). To fire a due timer,
+        `resume(run_id)` without an answer.
+
+        Raises:
+            AnswerError: the run does not wait for this event, or its timer is already due
+                (nothing is recorded then).
+            RunNotFoundError, ResumeError, RunLockedError: as for `resume`.
+        """
+        answer = HumanAnswer.signal(name, data, by=by)
+        return await self.resume(run_id, force=force, answer=answer, **overrides)
+
     async def replay(self, run_id: str) -> ReplayReport:
         """Re-run a recorded run from its log (no model, no tools) and compare its steps."""
         store = self._require_store("replay")

@@ -229,6 +229,21 @@ def print_result(
     print(f"run id: {result.run_id}", file=out)
 
 
+def _event_wait(run_id: str, waiting: dict[str, Any]) -> tuple[str, str]:
+    """What a run in a waiting state waits for (its events, its timer), and how to go on."""
+    events = [str(e) for e in waiting.get("events") or ()]
+    due = waiting.get("due")
+    what = f"event {' | '.join(events)}" if events else "its timer"
+    if events and due:
+        what += f" (or its timer, due {due})"
+    elif due:
+        what += f" (due {due})"
+    how = f"fsm-kernel signal {run_id} {events[0] if events else 'NAME'} [--data JSON]"
+    if due:
+        how += f"   (or, once due, fsm-kernel resume {run_id})"
+    return what, how
+
+
 def _print_waiting(result: RunResult, out: TextIO) -> None:
     """A suspended run: what it waits for and the command that answers."""
     waiting = result.waiting_for or {}
@@ -237,6 +252,8 @@ def _print_waiting(result: RunResult, out: TextIO) -> None:
     if waiting.get("kind") == "approval" and isinstance(call, dict):
         what = f"approval of {call.get('name')}({cut(_args(call.get('arguments')), 200)})"
         how = f"{resume} --approve   (or --reject WHY)"
+    elif waiting.get("kind") == "event":
+        what, how = _event_wait(result.run_id, waiting)
     else:
         what = f"input: {cut(str(waiting.get('prompt') or ''), 200)}"
         how = f"{resume} --input TEXT"

@@ -1,0 +1,88 @@
+"""`fsm-kernel signal RUN_ID NAME [--data JSON]`: deliver a named event to a run that waits in
+a waiting state (one whose edges carry `event:` / `after:`), and continue the run in this
+process, as `resume --approve` does for an approval."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from fsm_kernel.config import default_store_location
+from fsm_kernel.errors import AnswerError
+from fsm_kernel.workflow.human import HumanAnswer
+
+if TYPE_CHECKING:
+    from fsm_kernel.api import Agent
+    from fsm_kernel.kernel import RunResult
+
+__all__ = ["cmd_signal", "register"]
+
+
+def register(sub: Any) -> None:
+    """Add the `signal` subcommand."""
+    from fsm_kernel.cli.commands import add_model_flags
+
+    p = sub.add_parser(
+        "signal",
+        help="deliver a named event to a run that waits for one, and continue it",
+        description="Deliver the event NAME (with --data, any JSON value) to a run waiting in "
+        "a state whose edges carry 'event: NAME', record it (event.delivered) and continue the "
+        "run in this process from its log, as resume does. Refused (exit 2, nothing recorded) "
+        "when the run does not wait for that event, or its timer is already due (resume it: "
+        "the timer fires). The run's recorded settings apply; a flag given here overrides one.",
+    )
+    p.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    p.add_argument("name", metavar="NAME", help="the event, as the workflow's 'event:' names it")
+    p.add_argument(
+        "--data",
+        metavar="JSON",
+        help="the event's data, any JSON value: guards read ctx.event['data'], templates "
+        "{event.data.KEY}",
+    )
+    p.add_argument(
+        "--by",
+        metavar="NAME",
+        help="who sends it, recorded with the event (default: the USER environment variable)",
+    )
+    p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="continue even though the workflow file changed (records the new hash)",
+    )
+    add_model_flags(p, resuming=True)
+    p.set_defaults(handler=cmd_signal)
+
+
+def cmd_signal(args: argparse.Namespace) -> int:
+    from fsm_kernel.cli import commands
+    from fsm_kernel.cli.runs import _check_resumable, _open, _recorded_workflow, _settle_dispatch
+    from fsm_kernel.replay import RecordedRun, check_answer
+
+    answer = HumanAnswer.signal(args.name, _data(args.data), by=args.by)
+    with _open(args) as store:
+        run = RecordedRun.load(store, args.run_id)
+    args.workflow = _recorded_workflow(run, args.workflow)
+    overrides = commands.agent_options(commands.options_from_args(args))
+    _check_resumable(run, answer)
+    check_answer(run, answer)  # a one-line usage error before anything is built
+    location = args.store or default_store_location()
+
+    async def go(agent: Agent) -> RunResult:
+        result = await agent.resume(run.run_id, force=args.force, answer=answer, **overrides)
+        if result.status == "ended":  # a scheduler dispatch that waited on it is done now
+            await asyncio.to_thread(_settle_dispatch, location, result)
+        return result
+
+    return commands.execute(args, go)
+
+
+def _data(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise AnswerError(f"--data is not JSON: {exc}") from None
