@@ -1,0 +1,315 @@
+"""The queue's guarantees when workers claim and complete dispatches in batches.
+
+- The fleet cap is exact under concurrent batch claims: many claimers at once, each asking for
+  more than the cap leaves, take exactly the room between them (PostgreSQL at READ COMMITTED,
+  and SQLite); worker processes with several slots each never run more than the cap at once,
+  measured by the runs themselves.
+- A worker SIGKILLed holding a batch loses nothing and runs nothing twice: once the leases
+  expire another worker runs each dispatch once, and the dead worker's late outcomes are
+  refused (fenced by worker and attempt).
+- The attempt limit and cancellation act on dispatches claimed in a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fsm_kernel.errors import StoreConflictError
+from fsm_kernel.scheduler import (
+    AgentSpec,
+    DispatchQueue,
+    DispatchStatus,
+    RunOutcome,
+    Worker,
+    open_queue,
+)
+from fsm_kernel.scheduler.executor import DispatchDetail, ExecutionStatus
+from fsm_kernel.scheduler.queue import Completion
+from tests.integration.test_scheduler_multiworker import (
+    KERNEL,
+    Fleet,
+    fleet_config,
+    peak_concurrency,
+    runs,
+    wait_for,
+)
+from tests.unit.test_scheduler_fakes import FakeClock, pg_url
+
+BACKENDS = [pytest.param("sqlite"), pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "queue.db")
+    return pg_url(request.getfixturevalue("pg_dsn"))
+
+
+@pytest.fixture
+def queue(store: str) -> Iterator[DispatchQueue]:
+    q = open_queue(store)
+    yield q
+    q.close()
+
+
+def enqueue(queue: DispatchQueue, count: int, *, max_attempts: int = 3) -> list[str]:
+    ids = []
+    for i in range(count):
+        d = queue.enqueue(KERNEL, f"agent{i}", "p", 0, f"job{i}", max_attempts=max_attempts)
+        assert d is not None
+        ids.append(d.dispatch_id)
+    return ids
+
+
+def done(worker: str, dispatch_id: str, attempt: int) -> Completion:
+    return Completion(
+        dispatch_id=dispatch_id, worker_id=worker, attempt=attempt, status=DispatchStatus.DONE
+    )
+
+
+def claim_all_at_once(store: str, claimers: int, limit: int, cap: int) -> list[list[str]]:
+    """Each claimer (its own connection) asks for `limit` at the same moment."""
+    queues = [open_queue(store) for _ in range(claimers)]
+    barrier = threading.Barrier(claimers)
+    got: list[list[str]] = [[] for _ in range(claimers)]
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        claimed = queues[i].claim_batch(KERNEL, f"w{i}", 60, cap, limit)
+        got[i] = [d.dispatch_id for d in claimed]
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for q in queues:
+            q.close()
+    return got
+
+
+def test_concurrent_batch_claims_take_exactly_the_room_the_cap_leaves(
+    store: str, queue: DispatchQueue
+) -> None:
+    enqueue(queue, 60)
+    cap = 5
+    for round_ in range(4):
+        got = claim_all_at_once(store, claimers=8, limit=4, cap=cap)
+        taken = [d for batch in got for d in batch]
+        assert len(taken) == cap, (round_, got)  # 8 x 4 asked for, 5 allowed: never 6
+        assert len(set(taken)) == cap
+        rows = [queue.get(d) for d in taken]
+        assert all(r is not None and r.status is DispatchStatus.RUNNING for r in rows)
+        # With the kernel full, no claimer gets anything.
+        assert claim_all_at_once(store, claimers=4, limit=4, cap=cap) == [[]] * 4
+        # Their ends free the kernel for the next round's race.
+        for owner, batch in enumerate(got):
+            results = queue.complete_batch([done(f"w{owner}", d, 1) for d in batch])
+            assert all(not isinstance(r, Exception) for r in results)
+
+
+def test_a_batch_is_the_best_dispatches_first_and_never_more_than_asked(
+    queue: DispatchQueue,
+) -> None:
+    ids = enqueue(queue, 6)
+    urgent = queue.enqueue(KERNEL, "urgent", "p", 9, "urgent")
+    assert urgent is not None
+    claimed = queue.claim_batch(KERNEL, "w", 60, 100, 3)
+    assert [d.dispatch_id for d in claimed] == [urgent.dispatch_id, ids[0], ids[1]]
+    assert {d.worker_id for d in claimed} == {"w"}
+    assert {d.attempts for d in claimed} == {1}
+    assert [d.dispatch_id for d in queue.claim_batch(KERNEL, "w", 60, 5, 10)] == ids[2:4]
+
+
+def test_complete_batch_records_each_outcome_and_fences_each_lost_lease(
+    queue: DispatchQueue,
+) -> None:
+    a, b, c = enqueue(queue, 3)
+    claimed = queue.claim_batch(KERNEL, "w", 60, 10, 3)
+    assert len(claimed) == 3
+    results = queue.complete_batch(
+        [
+            done("w", a, 1),
+            done("intruder", b, 1),  # not this worker's lease
+            Completion(
+                dispatch_id=c,
+                worker_id="w",
+                attempt=1,
+                status=DispatchStatus.FAILED,
+                run_id="r-c",
+                error="E: boom",
+            ),
+        ],
+        max_concurrent=10,
+    )
+    assert not isinstance(results[0], Exception)
+    assert results[0].status is DispatchStatus.DONE
+    assert isinstance(results[1], StoreConflictError)
+    assert "worker intruder no longer holds dispatch" in str(results[1])
+    assert not isinstance(results[2], Exception)
+    assert (results[2].status, results[2].run_id, results[2].error) == (
+        DispatchStatus.FAILED,
+        "r-c",
+        "E: boom",
+    )
+    row_b = queue.get(b)
+    assert row_b is not None
+    assert row_b.status is DispatchStatus.RUNNING
+
+
+def test_the_attempt_limit_acts_on_batched_claims(store: str) -> None:
+    clock = FakeClock()
+    queue = open_queue(store, clock=clock)
+    try:
+        ids = enqueue(queue, 3, max_attempts=2)
+        first = queue.claim_batch(KERNEL, "dead", 10, 10, 3)
+        assert sorted(d.dispatch_id for d in first) == sorted(ids)
+        clock.advance(11)  # the dead worker's leases expire
+        second = queue.claim_batch(KERNEL, "alive", 10, 10, 3)
+        assert sorted(d.dispatch_id for d in second) == sorted(ids)
+        assert {d.attempts for d in second} == {2}
+        late = queue.complete_batch([done("dead", d, 1) for d in ids], max_concurrent=10)
+        assert all(isinstance(r, StoreConflictError) for r in late)  # fenced
+        clock.advance(11)  # expired again: the second attempt was the last
+        assert queue.claim_batch(KERNEL, "third", 10, 10, 3) == []
+        rows = [queue.get(d) for d in ids]
+    finally:
+        queue.close()
+    for row in rows:
+        assert row is not None
+        assert (row.status, row.attempts, row.worker_id) == (DispatchStatus.FAILED, 2, "alive")
+        assert row.error == "abandoned after 2 attempts: lease expired"
+
+
+def test_cancel_stops_one_run_of_a_batch_and_leaves_the_others(
+    store: str, queue: DispatchQueue
+) -> None:
+    ids = enqueue(queue, 3)
+    config = fleet_config(store, 3, max_concurrent=3, lease=0.9)  # heartbeat every 0.3 s
+    started: list[str] = []
+    results: list[DispatchDetail] = []
+    ended_before_stop: list[DispatchDetail] = []
+
+    async def runner(agent: AgentSpec, prompt: str) -> RunOutcome:
+        started.append(agent.agent_id)
+        await asyncio.Event().wait()  # until cancelled
+        raise AssertionError("unreachable")
+
+    async def scenario() -> None:
+        worker = Worker(config, open_queue(store), runner, concurrency=3, on_result=results.append)
+        task = asyncio.create_task(worker.run())
+        try:
+            await until(lambda: len(started) == 3, "the batch of three to start")
+            await asyncio.to_thread(queue.cancel, KERNEL, ids[1])
+            await until(lambda: len(results) == 1, "the cancelled run to end")
+            await asyncio.sleep(0.7)  # two more heartbeats: the other runs carry on
+            ended_before_stop.extend(results)
+        finally:
+            worker.stop(abandon=True)
+            await asyncio.wait_for(task, 10)
+            worker.queue.close()
+
+    asyncio.run(scenario())
+    assert sorted(started) == ["agent0", "agent1", "agent2"]
+    assert [(r.dispatch_id, r.status) for r in ended_before_stop] == [
+        (ids[1], ExecutionStatus.CANCELLED)
+    ]
+    statuses = [queue.get(d).status for d in ids]  # type: ignore[union-attr]
+    assert statuses == [DispatchStatus.RUNNING, DispatchStatus.CANCELLED, DispatchStatus.RUNNING]
+    claimed = [queue.get(d).started_at for d in ids]  # type: ignore[union-attr]
+    assert len(set(claimed)) == 1  # the three were claimed by one statement
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def pg_store(pg_dsn: str) -> str:
+    return pg_url(pg_dsn)
+
+
+@pytest.mark.postgres
+def test_worker_processes_with_several_slots_never_run_more_than_the_cap(
+    pg_store: str, tmp_path: Path
+) -> None:
+    jobs, cap, workers, slots = 30, 5, 4, 3
+    queue = open_queue(pg_store)
+    fleet = Fleet(pg_store, tmp_path, agents=jobs, max_concurrent=cap, lease=30)
+    try:
+        enqueue(queue, jobs)
+        for n in range(workers):  # 4 x 3 slots = 12 wanted at once, against a cap of 5
+            fleet.start(f"w{n}", "--run-seconds=0.15", f"--concurrency={slots}")
+        wait_for(
+            queue,
+            "every dispatch done",
+            lambda: all(d.status is DispatchStatus.DONE for d in queue.list(KERNEL, 100)),
+        )
+        fleet.stop_all()
+        rows = queue.list(KERNEL, 100)
+    finally:
+        fleet.kill_leftovers()
+        queue.close()
+    events = fleet.events()
+    starts = sorted(agent for _, kind, agent, _ in events if kind == "start")
+    assert starts == sorted(f"agent{i}" for i in range(jobs))  # each ran exactly once
+    assert peak_concurrency(events) == cap  # measured by the runs: reached, never exceeded
+    per_worker = [peak_concurrency([e for e in events if e[3] == w]) for w in fleet.procs]
+    assert max(per_worker) > 1  # a worker did run a batch at once
+    assert {d.attempts for d in rows} == {1}
+
+
+@pytest.mark.postgres
+def test_a_worker_killed_holding_a_batch_loses_nothing_and_runs_nothing_twice(
+    pg_store: str, tmp_path: Path
+) -> None:
+    queue = open_queue(pg_store)
+    fleet = Fleet(pg_store, tmp_path, agents=3, max_concurrent=3, lease=1.0)
+    try:
+        ids = enqueue(queue, 3)
+        hang = [f"--hang=agent{i}" for i in range(3)]
+        doomed = fleet.start("doomed", "--concurrency=3", *hang)
+        wait_for(queue, "the batch to start", lambda: len(runs(fleet.events())) == 3)
+        held = [queue.get(d) for d in ids]
+        doomed.kill()  # SIGKILL: no cleanup, no completion, no more heartbeats
+        doomed.wait(10)
+        fleet.start("rescuer", "--concurrency=3")
+        wait_for(
+            queue,
+            "the rescuer to complete the batch",
+            lambda: all(queue.get(d).status is DispatchStatus.DONE for d in ids),  # type: ignore[union-attr]
+        )
+        # The dead worker's results, arriving late, are refused: the rows stay the rescuer's.
+        late = queue.complete_batch([done("doomed", d, 1) for d in ids], max_concurrent=3)
+        fleet.stop_all()
+        rows = [queue.get(d) for d in ids]
+    finally:
+        fleet.kill_leftovers()
+        queue.close()
+    assert all(h is not None and h.worker_id == "doomed" for h in held)
+    assert len({h.started_at for h in held if h is not None}) == 1  # one claim took all three
+    assert all(isinstance(r, StoreConflictError) for r in late)
+    expiry = max(h.lease_expires_at for h in held if h and h.lease_expires_at)
+    for row in rows:
+        assert row is not None
+        assert (row.worker_id, row.attempts, row.run_id) == (
+            "rescuer",
+            2,
+            f"rescuer:{row.agent_id}",
+        )
+        assert row.started_at is not None
+        assert row.started_at >= expiry
+    starts = sorted((worker, agent) for _, kind, agent, worker in fleet.events() if kind == "start")
+    agents = [f"agent{i}" for i in range(3)]
+    assert starts == [*[("doomed", a) for a in agents], *[("rescuer", a) for a in agents]]
