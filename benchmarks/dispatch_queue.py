@@ -4,32 +4,40 @@
     python benchmarks/dispatch_queue.py          # needs initdb/pg_ctl (apt-get install postgresql)
     python benchmarks/dispatch_queue.py --dispatches 2000 --repetitions 1   # a quick look
 
-It starts its own PostgreSQL cluster in a temp dir (Unix socket only, run as the `postgres` user
-when started as root; or point --dsn at a server you own), then measures:
+It starts its own PostgreSQL clusters in temp dirs (Unix socket only, run as the `postgres` user
+when started as root; or point --dsn at a server you own), one per durability mode: `durable`
+(PostgreSQL's defaults: fsync=on, synchronous_commit=on, full_page_writes=on, as a production
+queue runs) and `fast` (all three off: what the CPU-bound protocol costs). Then it measures:
 
-1. drain: N no-op jobs are enqueued, then 1, 4 and 16 worker processes per system (fsm-kernel's
-   `Worker`, procrastinate, pgqueuer on asyncpg) start together and take them all; the clock
-   runs from the start signal to the moment no job is left unfinished. Repetitions interleave
-   the systems. Every job must run exactly once: the workers count what they executed.
+1. drain: N no-op jobs are enqueued, `ANALYZE` runs (for every system: without it a system's
+   claim query plans without statistics until autovacuum first visits its new tables, which
+   cost procrastinate 60 s once per cluster), then 1, 4 and 16 worker processes per system
+   (fsm-kernel's `Worker`, procrastinate, pgqueuer on asyncpg) start together and take them
+   all; the clock runs from the start signal to the moment no job is left unfinished.
+   Repetitions interleave the systems. Every job must run exactly once: the workers count what
+   they executed.
 2. claim latency: fsm-kernel's claim (one pending dispatch, claimed, completed) with 0 and with
    100,000 finished rows of the same kernel in the table, on PostgreSQL and on SQLite.
 3. wake-up: an idle fsm-kernel worker polling every 60 s; the time from an enqueue to the start of
    that dispatch's run (LISTEN/NOTIFY).
 
-It reports ratios, not absolute times (those depend on the machine), and says which goals are
-met: claim latency at 100,000 finished rows <= 1.2x that at 0; fsm-kernel >= 1.0x procrastinate
-with 4 workers; fsm-kernel's 4 workers >= 2x its 1 worker; wake-up within 100 ms.
-`--json` adds the raw figures. Exits 1 when a goal is missed.
+It reports jobs/s and ratios (absolute figures depend on the machine and its load), and says
+which goals are met, per durability mode: fsm-kernel >= 1.0x pgqueuer with 1 and with 4
+workers; more fsm-kernel workers never slower than fewer; claim latency at 100,000 finished rows
+<= 1.2x that at 0; wake-up within 100 ms. `--json` adds the raw figures. Exits 1 when a goal
+is missed.
 
-Settings: every process runs up to --concurrency jobs at a time (procrastinate's `concurrency`,
-fsm-kernel's worker `concurrency`, pgqueuer's default batch of 10 with no per-process cap); the
-fsm-kernel fleet cap (max_concurrent) is set high enough never to bind.
+Settings: every process takes up to --concurrency (10) jobs at a time: procrastinate's
+`concurrency`, fsm-kernel's worker `concurrency` (it claims that many in one statement), and
+pgqueuer's `batch_size` (its default, 10). The fsm-kernel fleet cap (max_concurrent) is set
+high enough never to bind, but is still checked by every claim.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -53,8 +61,10 @@ from urllib.parse import quote
 SYSTEMS = ("fsm", "procrastinate", "pgqueuer")
 KERNEL = "bench"
 GOAL_CLAIM_RATIO = 1.2
-GOAL_VS_PROCRASTINATE = 1.0
-GOAL_SCALING = 2.0
+GOAL_VS_PGQUEUER = 1.0
+GOAL_MORE_WORKERS = 1.0
+MODES = ("durable", "fast")
+_FAST = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
 GOAL_WAKE_MS = 100.0
 DRAIN_TIMEOUT = 300.0
 _BIN_DIRS = [Path("/usr/lib/postgresql") / v / "bin" for v in ("17", "16", "15", "14")]
@@ -78,8 +88,9 @@ def _as_postgres(cmd: list[str]) -> list[str]:
 
 
 @contextmanager
-def throwaway_cluster() -> Iterator[str]:
-    """initdb + pg_ctl into a temp dir (no TCP port), stopped and removed afterwards."""
+def throwaway_cluster(mode: str = "durable") -> Iterator[str]:
+    """initdb + pg_ctl into a temp dir (no TCP port), stopped and removed afterwards; `fast`
+    turns fsync, synchronous_commit and full_page_writes off, `durable` keeps the defaults."""
     root = Path(tempfile.mkdtemp(prefix="fsmk-bench-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
@@ -89,8 +100,8 @@ def throwaway_cluster() -> Iterator[str]:
     try:
         run([_find_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"])
         opts = (
-            f"-p {port} -k {root} -c listen_addresses='' -c fsync=off -c synchronous_commit=off "
-            "-c full_page_writes=off -c max_connections=300"
+            f"-p {port} -k {root} -c listen_addresses='' {_FAST if mode == 'fast' else ''}"
+            "-c max_connections=300"
         )
         run([pg_ctl, "-D", str(data), "-l", str(root / "log"), "-w", "-o", opts, "start"])
         yield f"postgresql:///postgres?host={quote(str(root), safe='')}&port={port}&user=postgres"
@@ -280,7 +291,7 @@ async def _pgq_worker(dsn: str, jobs: int, concurrency: int) -> None:
 
     stop = asyncio.Event()
     await _ready_then_go(stop)
-    work = asyncio.create_task(qm.run())
+    work = asyncio.create_task(qm.run(batch_size=concurrency))
     await stop.wait()
     qm.shutdown.set()
     await work  # a failing worker must show its error, not count 0
@@ -292,6 +303,7 @@ async def _pgq_worker(dsn: str, jobs: int, concurrency: int) -> None:
 
 @dataclass
 class Drain:
+    mode: str
     system: str
     workers: int
     repetition: int
@@ -320,11 +332,15 @@ def _stderr(proc: subprocess.Popen[str]) -> str:
     return proc.stderr.read()[-2000:]
 
 
-def drain(server: str, system: str, workers: int, jobs: int, concurrency: int, rep: int) -> Drain:
+def drain(
+    server: str, mode: str, system: str, workers: int, jobs: int, concurrency: int, rep: int
+) -> Drain:
     import psycopg
 
     with fresh_database(server) as dsn:
         SETUP[system](dsn, jobs)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("ANALYZE")  # every system's tables, before any worker plans a claim
         procs = [_spawn(system, dsn, jobs, concurrency) for _ in range(workers)]
         try:
             for proc in procs:
@@ -348,7 +364,7 @@ def drain(server: str, system: str, workers: int, jobs: int, concurrency: int, r
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-    return Drain(system, workers, rep, jobs, seconds, executed)
+    return Drain(mode, system, workers, rep, jobs, seconds, executed)
 
 
 def _check_alive(procs: list[subprocess.Popen[str]], system: str, start: float) -> None:
@@ -532,54 +548,63 @@ class Report:
     claim: dict[str, dict[str, float]] = field(default_factory=dict)
     wake: dict[str, float] = field(default_factory=dict)
 
-    def rate(self, system: str, workers: int) -> float:
-        rates = [d.jobs_per_s for d in self.drains if (d.system, d.workers) == (system, workers)]
+    def rate(self, mode: str, system: str, workers: int) -> float:
+        key = (mode, system, workers)
+        rates = [d.jobs_per_s for d in self.drains if (d.mode, d.system, d.workers) == key]
         return statistics.median(rates) if rates else float("nan")
 
-    def goals(self, worker_counts: list[int]) -> list[tuple[str, float, float, bool]]:
+    def rates(self, mode: str, system: str, workers: int) -> list[float]:
+        key = (mode, system, workers)
+        return [d.jobs_per_s for d in self.drains if (d.mode, d.system, d.workers) == key]
+
+    def goals(self, modes: list[str], counts: list[int]) -> list[tuple[str, float, float, bool]]:
         """(goal, measured, bound, met) for every goal the run can judge."""
         out = []
         for backend, figures in self.claim.items():
             ratio = figures["ratio"]
-            out.append(
-                (
-                    f"claim at 100k finished / at 0 ({backend})",
-                    ratio,
-                    GOAL_CLAIM_RATIO,
-                    ratio <= 1.2,
-                )
-            )
-        if 4 in worker_counts and "procrastinate" in {d.system for d in self.drains}:
-            ratio = self.rate("fsm", 4) / self.rate("procrastinate", 4)
-            out.append(("fsm / procrastinate, 4 workers", ratio, GOAL_VS_PROCRASTINATE, ratio >= 1))
-        if {1, 4} <= set(worker_counts):
-            ratio = self.rate("fsm", 4) / self.rate("fsm", 1)
-            out.append(("fsm 4 workers / 1 worker", ratio, GOAL_SCALING, ratio >= GOAL_SCALING))
+            goal = f"claim at 100k finished / at 0 ({backend})"
+            out.append((goal, ratio, GOAL_CLAIM_RATIO, ratio <= GOAL_CLAIM_RATIO))
+        peers = {d.system for d in self.drains}
+        for mode in modes:
+            for n in (1, 4):
+                if n in counts and "pgqueuer" in peers:
+                    ratio = self.rate(mode, "fsm", n) / self.rate(mode, "pgqueuer", n)
+                    goal = f"fsm / pgqueuer, {n} worker(s), {mode}"
+                    out.append((goal, ratio, GOAL_VS_PGQUEUER, ratio >= GOAL_VS_PGQUEUER))
+            for fewer, more in itertools.pairwise(counts):
+                ratio = self.rate(mode, "fsm", more) / self.rate(mode, "fsm", fewer)
+                goal = f"fsm {more} workers / {fewer}, {mode}"
+                out.append((goal, ratio, GOAL_MORE_WORKERS, ratio >= GOAL_MORE_WORKERS))
         if self.wake:
             p50 = self.wake["p50_ms"]
             out.append(("wake-up p50 (ms)", p50, GOAL_WAKE_MS, p50 <= GOAL_WAKE_MS))
         return out
 
 
-def print_report(report: Report, systems: list[str], worker_counts: list[int]) -> None:
-    print("\nThroughput ratios (median of repetitions; >1 means fsm-kernel drains faster)")
+def print_report(report: Report, args: argparse.Namespace) -> None:
+    systems: list[str] = args.systems
+    counts: list[int] = args.workers
     others = [s for s in systems if s != "fsm"]
-    head = "workers  " + "  ".join(f"fsm/{s:13}" for s in others)
-    print(head)
-    for n in worker_counts:
-        cells = "  ".join(f"{report.rate('fsm', n) / report.rate(s, n):17.2f}" for s in others)
-        print(f"{n:7}  {cells}")
-    print("\nScaling with workers (jobs/s relative to the same system with 1 worker)")
-    print("system         " + "  ".join(f"{n:>5}w" for n in worker_counts))
-    for s in systems:
-        base = report.rate(s, worker_counts[0])
-        print(f"{s:14} " + "  ".join(f"{report.rate(s, n) / base:6.2f}" for n in worker_counts))
+    for mode in args.modes:
+        print(f"\n[{mode}] drain throughput, jobs/s (median of repetitions; the runs in brackets)")
+        print("workers  " + "  ".join(f"{s:>30}" for s in systems))
+        for n in counts:
+            cells = []
+            for s in systems:
+                runs = "/".join(f"{r:.0f}" for r in report.rates(mode, s, n))
+                cells.append(f"{report.rate(mode, s, n):8.0f} [{runs}]".rjust(30))
+            print(f"{n:7}  " + "  ".join(cells))
+        print(f"[{mode}] ratios (>1 means fsm-kernel drains faster)")
+        print("workers  " + "  ".join(f"fsm/{s:13}" for s in others))
+        for n in counts:
+            cells = [report.rate(mode, "fsm", n) / report.rate(mode, s, n) for s in others]
+            print(f"{n:7}  " + "  ".join(f"{c:17.2f}" for c in cells))
     lost = [d for d in report.drains if d.executed != d.jobs]
     total = sum(d.jobs for d in report.drains)
     once = "yes" if not lost else "NO"
     print(f"\nexecuted exactly once: {once} ({len(report.drains)} drains, {total:,} jobs)")
     for d in lost:
-        print(f"  {d.system} {d.workers}w rep {d.repetition}: {d.executed} of {d.jobs} ran")
+        print(f"  {d.mode} {d.system} {d.workers}w rep {d.repetition}: {d.executed} of {d.jobs}")
     if report.claim:
         print("\nClaim latency with 100,000 finished rows / with none (fsm-kernel)")
         for backend, figures in report.claim.items():
@@ -591,41 +616,46 @@ def print_report(report: Report, systems: list[str], worker_counts: list[int]) -
             f"{w['p50_ms']:.1f} ms, p95 {w['p95_ms']:.1f} ms, max {w['max_ms']:.1f} ms"
         )
     print("\nGoals")
-    for goal, measured, bound, met in report.goals(worker_counts):
+    for goal, measured, bound, met in report.goals(args.modes, counts):
         sign = "<=" if "claim" in goal or "wake" in goal else ">="
         print(f"  {'met   ' if met else 'MISSED'} {goal}: {measured:.2f} (goal {sign} {bound:g})")
 
 
 def run(args: argparse.Namespace) -> Report:
     report = Report()
-    systems: list[str] = args.systems
-    with contextmanager_or(args.dsn) as server:
-        if args.claim_samples:
-            print(f"claim latency: 0 and {args.history:,} finished rows ...", flush=True)
-            report.claim = claim_latency(server, args.history, args.claim_samples)
-        if args.wake_samples:
-            print("wake-up latency ...", flush=True)
-            report.wake = wake_latency(server, args.wake_samples)
-        for rep in range(args.repetitions):
-            order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
-            for workers in args.workers:
-                for system in order:
-                    d = drain(server, system, workers, args.dispatches, args.concurrency, rep)
-                    report.drains.append(d)
-                    print(
-                        f"rep {rep + 1} {system:13} {workers:2} workers: {d.seconds:6.2f} s "
-                        f"({d.executed}/{d.jobs} executed)",
-                        flush=True,
-                    )
+    for index, mode in enumerate(args.modes):
+        with contextmanager_or(args.dsn, mode) as server:
+            if index == 0 and args.claim_samples:
+                print(f"claim latency: 0 and {args.history:,} finished rows ...", flush=True)
+                report.claim = claim_latency(server, args.history, args.claim_samples)
+            if index == 0 and args.wake_samples:
+                print("wake-up latency ...", flush=True)
+                report.wake = wake_latency(server, args.wake_samples)
+            _drains(report, server, mode, args)
     return report
 
 
+def _drains(report: Report, server: str, mode: str, args: argparse.Namespace) -> None:
+    systems: list[str] = args.systems
+    for rep in range(args.repetitions):
+        order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+        for workers in args.workers:
+            for system in order:
+                d = drain(server, mode, system, workers, args.dispatches, args.concurrency, rep)
+                report.drains.append(d)
+                print(
+                    f"{mode} rep {rep + 1} {system:13} {workers:2} workers: {d.seconds:6.2f} s "
+                    f"= {d.jobs_per_s:7.0f} jobs/s ({d.executed}/{d.jobs} executed)",
+                    flush=True,
+                )
+
+
 @contextmanager
-def contextmanager_or(dsn: str | None) -> Iterator[str]:
+def contextmanager_or(dsn: str | None, mode: str) -> Iterator[str]:
     if dsn:
-        yield dsn
+        yield dsn  # the server's own settings: the mode is only a label then
     else:
-        with throwaway_cluster() as server:
+        with throwaway_cluster(mode) as server:
             yield server
 
 
@@ -639,7 +669,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="worker process counts (1,4,16)",
     )
     p.add_argument("--repetitions", type=int, default=3, help="interleaved repetitions (3)")
-    p.add_argument("--concurrency", type=int, default=1, help="jobs at once per process (1)")
+    p.add_argument("--concurrency", type=int, default=10, help="jobs at once per process (10)")
+    p.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=list(MODES),
+        help="durable (fsync on, the default), fast (fsync off), or both: durable,fast",
+    )
     p.add_argument(
         "--systems",
         type=lambda s: s.split(","),
@@ -654,6 +690,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "fsm" not in args.systems:
         p.error("--systems must include fsm")
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes takes {', '.join(MODES)}")
     return args
 
 
@@ -667,7 +705,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     report = run(args)
-    print_report(report, args.systems, args.workers)
+    print_report(report, args)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     if args.json:
         raw = {
@@ -676,7 +714,7 @@ def main(argv: list[str]) -> int:
             "wake": report.wake,
         }
         print(json.dumps(raw, indent=2))
-    return 0 if all(met for *_, met in report.goals(args.workers)) else 1
+    return 0 if all(met for *_, met in report.goals(args.modes, args.workers)) else 1
 
 
 if __name__ == "__main__":
