@@ -265,7 +265,7 @@ class Kernel:
             )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
-            recorder.record(EventType.STATE_ENTERED, {})
+            recorder.record(EventType.STATE_ENTERED, machine.entered_data())
             await recorder.flush()  # the run exists in the log before its first step
             return await self.drive(ctx, machine, recorder)
 
@@ -394,10 +394,10 @@ class Kernel:
             _check_deadline(ctx)
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
-            recorder.state = fired.target
+            recorder.state = machine.state  # inside a compound target: where it entered
             if fired.final:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
-            recorder.record(EventType.STATE_ENTERED, {})
+            recorder.record(EventType.STATE_ENTERED, machine.entered_data())
             # committed before the run next waits; at once after a user's action
             action = self.workflow.actions.get(state)
             await recorder.end_step(at_once=action is not None and action.user_code)

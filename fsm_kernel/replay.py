@@ -544,7 +544,7 @@ async def _resume_locked(
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
-    recorder.record(EventType.STATE_ENTERED, {})
+    recorder.record(EventType.STATE_ENTERED, machine.entered_data())
     return await kernel.drive(ctx, machine, recorder)
 
 

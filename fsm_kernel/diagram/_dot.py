@@ -147,6 +147,12 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
             "shaded, bold: a state that runs the workflow after ⇢ as child runs "
             "(diagram --expand draws it inside)",
         )
+    if spec.has_compound:
+        rows.insert(
+            3,
+            "a box around states: a compound state (● its initial child); its edges are tried "
+            "first, from every state inside it",
+        )
     if spec.catch_edges():
         rows.insert(
             3,
@@ -216,6 +222,52 @@ def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Dig
     )
 
 
+def _draw_states(
+    g: graphviz.Digraph, spec: WorkflowSpec, overlay: RunOverlay | None, parent: str | None
+) -> None:
+    """The states whose parent is `parent` (None: the top level): a compound state as a cluster
+    (`cluster_<id>`) holding its children and a start dot into its initial child."""
+    for sid, state in spec.states.items():
+        if spec.parent(sid) != parent:
+            continue
+        if not state.is_compound:
+            g.node(sid, **_state_attrs(spec, sid, overlay))
+            continue
+        with g.subgraph(name=f"cluster_{sid}") as box:
+            box.attr(label=_cluster_label(spec, sid), style="rounded", color=INK, labeljust="l")
+            start = f"{_START}_{sid}"
+            box.node(start, label="", shape="circle", style="filled", fillcolor=INK, width="0.1")
+            _draw_states(box, spec, overlay, sid)
+            tail, head, ends = _ends(spec, start, str(state.initial))
+            box.edge(tail, head, **ends)
+
+
+def _cluster_label(spec: WorkflowSpec, sid: str) -> str:
+    lines = [_font(sid, size=12, color=INK, bold=True)]
+    history = spec.states[sid].history
+    if history is not None:
+        lines.append(_font(f"history: {history}", size=9, color=SOFT))
+    if spec.states[sid].description:
+        lines.append(_font(short(spec.states[sid].description, 60), size=9, color=SOFT))
+    return "<" + "<BR/>".join(lines) + ">"
+
+
+def _ends(spec: WorkflowSpec, source: str, target: str) -> tuple[str, str, dict[str, str]]:
+    """The nodes an edge joins, and how it is cut at a compound state's cluster: Graphviz joins
+    nodes, so an edge out of (into) a compound state leaves (enters) the state it is entered at,
+    drawn from (to) the cluster's border."""
+    tail, head, attrs = source, target, {}
+    if source in spec.states and spec.states[source].is_compound:
+        tail = spec.entry(source)
+        if not spec.inside(target, source):
+            attrs["ltail"] = f"cluster_{source}"
+    if target in spec.states and spec.states[target].is_compound:
+        head = spec.entry(target)
+        if source not in spec.states or not spec.inside(source, target):
+            attrs["lhead"] = f"cluster_{target}"
+    return tail, head, attrs
+
+
 def _draw_called(g: graphviz.Digraph, spec: WorkflowSpec, prefix: str, depth: int) -> None:
     """Each workflow `spec`'s states call, drawn as a cluster under the calling state: its
     states and edges (ids prefixed by the caller's), entered by a dashed edge from the caller."""
@@ -264,12 +316,15 @@ def to_dot(
         width="0.16",
         fixedsize="true",
     )
-    for sid in spec.states:
-        g.node(sid, **_state_attrs(spec, sid, overlay))
+    if spec.has_compound:
+        g.attr(compound="true")  # edges may end at a cluster's border (lhead, ltail)
+    _draw_states(g, spec, overlay, None)
     entry = {"color": TAKEN, "penwidth": "2.5"} if overlay is not None and overlay.visits else {}
-    g.edge(_START, spec.initial, **entry)
+    tail, head, ends = _ends(spec, _START, spec.initial)
+    g.edge(tail, head, **entry, **ends)
     for source, target, indexes in _edge_groups(spec):
-        g.edge(source, target, **_edge_attrs(spec, indexes, overlay))
+        tail, head, ends = _ends(spec, source, target)
+        g.edge(tail, head, **_edge_attrs(spec, indexes, overlay), **ends)
     if expand:
         _draw_called(g, spec, "", 1)
     if not legend:

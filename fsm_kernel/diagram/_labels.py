@@ -4,6 +4,8 @@ summary and the kernel's own termination reasons. Pure text; no graphviz.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsm_kernel.diagram._overlay import RunOverlay
 from fsm_kernel.workflow.children import DEFAULT_CONCURRENCY
 from fsm_kernel.workflow.spec import (
@@ -104,7 +106,7 @@ def edge_label(spec: WorkflowSpec, index: int) -> str:
         parts.append(f"{order}.")
     if condition:
         parts.append(f"[{condition}]")
-    if spec.states[t.target].final:
+    if spec.ends_run(t.target):
         parts.append(f"→ {t.reason or 'final_answer'}")
     return " ".join(parts)
 
@@ -180,6 +182,7 @@ def run_summary(overlay: RunOverlay) -> str:
     """`run 0190ab12: done after 7 transitions` (or why and where the kernel stopped it)."""
     steps = f"{len(overlay.path)} transition{'s' if len(overlay.path) != 1 else ''}"
     who = f"run {overlay.run_id}" if overlay.run_id else "run"  # a prefix is not unique
+    overlay = replace(overlay, last_state=overlay.last_path or overlay.last_state)  # full path
     if overlay.waiting:
         return f"{who}: waiting for a person in {overlay.last_state} after {steps}"
     if overlay.reason is None:

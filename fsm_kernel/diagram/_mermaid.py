@@ -46,30 +46,54 @@ def _mermaid_text(text: str) -> str:
     return flat.replace(":", " ").replace(";", ",")
 
 
-def _mermaid_states(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
+def _mermaid_states(
+    spec: WorkflowSpec, overlay: RunOverlay | None, parent: str | None = None
+) -> list[str]:
+    """The states whose parent is `parent` (None: the top level), a compound state as a
+    `state id { ... }` block holding its children and the edges between them."""
+    pad = "    " * (len(spec.ancestors(parent)) + 2 if parent is not None else 1)
     lines = []
-    for sid in spec.states:
+    for sid, state in spec.states.items():
+        if spec.parent(sid) != parent:
+            continue
+        if state.is_compound:
+            lines.append(f"{pad}state {_mid(sid)} {{")
+            lines += _mermaid_states(spec, overlay, sid)
+            lines += _mermaid_edges(spec, overlay, sid)
+            lines.append(pad + "}")
+            continue
         parts = state_hints(spec, sid)
         if overlay is not None and overlay.visits.get(sid):
             parts.append(f"×{overlay.visits[sid]}")
         # one `id : text` line per description line; hint-less states come with their edges
-        lines += [f"    {_mid(sid)} : {_mermaid_text(part)}" for part in parts]
+        lines += [f"{pad}{_mid(sid)} : {_mermaid_text(part)}" for part in parts]
     return lines
 
 
-def _mermaid_edges(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
-    lines = [f"    [*] --> {_mid(spec.initial)}"]
+def _mermaid_edges(
+    spec: WorkflowSpec, overlay: RunOverlay | None, parent: str | None = None
+) -> list[str]:
+    """The edges drawn in the block of `parent`: between two of its children (Mermaid draws
+    an edge inside a `state { }` block only between states of that block); all others at the
+    top level."""
+    pad = "    " * (len(spec.ancestors(parent)) + 2 if parent is not None else 1)
+    initial = spec.initial if parent is None else str(spec.states[parent].initial)
+    lines = [f"{pad}[*] --> {_mid(initial)}"]
     edges = [(i, t.source, t.target) for i, t in enumerate(spec.transitions)]
     edges += [(c.index, c.source, c.target) for c in spec.catch_edges()]
     for index, source, target in edges:
+        home = spec.parent(source) if spec.parent(source) == spec.parent(target) else None
+        if home != parent:
+            continue
         label = edge_label(spec, index)
         if overlay is not None and fired_count(spec, overlay, index):
             label = f"{label} ×{fired_count(spec, overlay, index)}".strip()
             if index == overlay.terminating:
                 label += " " + ended_here(spec, overlay, index)
-        arrow = f"    {_mid(source)} --> {_mid(target)}"
+        arrow = f"{pad}{_mid(source)} --> {_mid(target)}"
         lines.append(f"{arrow} : {_mermaid_text(label)}" if label else arrow)
-    lines += [f"    {_mid(sid)} --> [*]" for sid in spec.final_states()]
+    finals = [sid for sid, s in spec.states.items() if s.final and spec.parent(sid) == parent]
+    lines += [f"{pad}{_mid(sid)} --> [*]" for sid in finals]
     return lines
 
 

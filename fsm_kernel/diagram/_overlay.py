@@ -42,6 +42,9 @@ class RunOverlay:
     error: str | None = None
     last_state: str | None = None
     """The state the run was in when it ended (or is in now)."""
+    last_path: str | None = None
+    """`last_state` with the compound states it is inside (research.think), as the run
+    recorded it; `last_state` itself in a workflow without compound states."""
     waiting: bool = False
     """The run is suspended until a person answers (in `last_state`)."""
 
@@ -71,6 +74,7 @@ class _OverlayBuilder:
         self.path: list[int] = []
         self.pending: int | None = None  # last transition whose target has not been entered
         self.state: str | None = None
+        self.paths: dict[str, str] = {}  # state → its full path, as `state.entered` recorded
         self.reason: str | None = None
         self.error: str | None = None
         self.waiting = False
@@ -88,6 +92,8 @@ class _OverlayBuilder:
             self.waiting = True
         elif event.type is EventType.STATE_ENTERED and event.state is not None:
             self._enter(event.state)
+            if isinstance(event.data.get("path"), str):
+                self.paths[event.state] = event.data["path"]
         elif event.type is EventType.TRANSITION_TAKEN:
             self._take(event.data)
         elif event.type is EventType.RUN_TERMINATED:
@@ -130,6 +136,7 @@ class _OverlayBuilder:
             reason=self.reason,
             error=self.error,
             last_state=state,
+            last_path=self.paths.get(state, state) if state is not None else None,
             waiting=self.waiting and self.reason is None,
         )
 

@@ -133,6 +133,7 @@ class WorkflowHarness:
         *,
         context: RunContext | None = None,
         raised: BaseException | None = None,
+        history: Mapping[str, str] | None = None,
         **values: Any,
     ) -> FiredTransition:
         """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
@@ -142,18 +143,27 @@ class WorkflowHarness:
         the first of the state's `catch:` entries that handles it fires, and the failure
         becomes `ctx.caught`. When none handles it, `exc` is raised, as a run would end with
         it (`agent_error` for an AgentError, else `error`).
+
+        In a workflow with compound states, `state` may be a compound state (the step starts in
+        its initial child, at any depth) or a final child (its parent's `completed` edges are
+        tried); `history={"research": "act"}` says where the run last was inside a compound
+        state, for edges with `enter: history`. The edges of the states `state` is inside are
+        tried first, as in a run; `fired.path_to` is the full path of the state entered.
         """
         if state not in self.spec.states:
             raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
-        if self.spec.states[state].final:
+        if self.spec.ends_run(state):
             raise ValueError(f"state {state!r} is final: no transition leaves it")
         if context is not None and values:
             raise TypeError("give context= or context fields, not both")
         ctx = context if context is not None else self.context(**values)
+        state = self.spec.entry(state)  # a compound state: its initial child, at any depth
         ctx.state_spec = self.spec.states[state]
         if raised is not None:
             _fail_action(ctx, state, raised)
-        fired = self.compiled.instantiate(ctx, start=state).step()
+        machine = self.compiled.instantiate(ctx, start=state)
+        machine.last_inside.update(history or {})
+        fired = machine.step()
         self._seen(fired)
         return fired
 
@@ -400,6 +410,8 @@ def _fired_from_event(spec: WorkflowSpec, data: Mapping[str, Any]) -> FiredTrans
         target,
         str(data.get("guard") or ""),
         data.get("reason"),
-        spec.states[target].final,
+        spec.ends_run(target),
         catch=data.get("catch"),
+        path_from=data.get("from"),
+        path_to=data.get("to"),
     )

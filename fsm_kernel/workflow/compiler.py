@@ -4,6 +4,16 @@ The ONLY module that imports statemachine. The machine decides; it does not act:
 transition fires on the one event `next`, guards read the RunContext (the machine's model), and
 the kernel runs each state's action before sending `next`. So the machine stays synchronous,
 pure and cheap to test, and the kernel owns async work, time and cancellation.
+
+Compound states are compiled flat: the engine has one state per state without children (and
+per top-level final state), and each gets the edges of the compound states it is inside first,
+outermost first, then its own (see workflow/compound.py). python-statemachine's own compound
+states follow SCXML, where the innermost state's enabled edge wins; the workflow language
+follows STATEMATE, where a parent's edge (a limit, an escalation, a cancel) wins from every state
+inside it, which nesting in the engine cannot express. Flat, the run is always in exactly one
+engine state, so the decision cache, resume and replay work as for a flat workflow; history is
+the last state the run was in inside each compound state, kept by the Machine and rebuilt when a
+resume or a replay re-drives the run from its start. Events carry the full path (research.think).
 """
 
 from __future__ import annotations
@@ -18,10 +28,11 @@ from statemachine.io import create_machine_class_from_definition
 
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
+from fsm_kernel.workflow.compound import edges_tried, final_child_of, history_entry, leaves
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
-from fsm_kernel.workflow.spec import CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
+from fsm_kernel.workflow.spec import COMPLETED, CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
 from fsm_kernel.workflow.validate import EVENT_NAME
 
 __all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "Waits", "compile_workflow"]
@@ -43,6 +54,11 @@ class FiredTransition:
     final: bool
     catch: str | None = None
     """For a catch edge: the error kind of its `catch:` entry (agent_error, error, any)."""
+    path_from: str | None = None
+    """In a workflow with compound states: the full path of the state the run left
+    (research.think), whichever state inside it the edge was declared on."""
+    path_to: str | None = None
+    """... and of the state it entered (research.think when the edge targets research)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -54,6 +70,8 @@ class FiredTransition:
         }
         if self.catch is not None:
             data["catch"] = self.catch
+        if self.path_to is not None:
+            data["from"], data["to"] = self.path_from, self.path_to
         return data
 
 
@@ -69,11 +87,34 @@ class Machine:
         self.ctx = ctx
         self._sm: StateChart[Any] | None = None
         self._where: tuple[str, bool]
-        self._arrive(start or compiled.spec.initial)
+        self.last_inside: dict[str, str] = {}
+        """Each compound state → the state the run was last in inside it (its history)."""
+        self._arrive(compiled.spec.entry(start or compiled.spec.initial))
 
     def _arrive(self, state: str) -> None:
-        self._where = (state, self.compiled.spec.states[state].final)
+        spec = self.compiled.spec
+        self._where = (state, spec.ends_run(state))
         self.ctx.current_state = state
+        for compound in spec.ancestors(state):
+            self.last_inside[compound] = state
+
+    def entered_data(self) -> dict[str, Any]:
+        """The data of the `state.entered` event for the current state: its full path in a
+        workflow with compound states ({"path": "research.think"}), else nothing."""
+        spec = self.compiled.spec
+        return {"path": spec.state_path(self.state)} if spec.has_compound else {}
+
+    def _landing(self, index: int) -> str:
+        """The state an edge leads to: its target, or inside a compound target its initial
+        entry, or with `enter: history` where the run last was in it."""
+        spec = self.compiled.spec
+        edge = spec.catch_edge(index)
+        if edge is not None:
+            return spec.entry(edge.target)
+        t = spec.transitions[index]
+        if t.enter == "history":
+            return history_entry(spec, t.target, self.last_inside)
+        return spec.entry(t.target)
 
     def _engine(self) -> StateChart[Any]:
         """The engine, at the current state (built on first use)."""
@@ -114,18 +155,22 @@ class Machine:
         index = self.compiled.decisions.get(key) if key is not None else None
         if index is not None:
             self.compiled.on_fire[index](self.ctx)
-            target = self.compiled.targets[index]
-            if self._sm is not None:
-                self._sm.current_state_value = target
-            self._arrive(target)
         else:
-            try:
-                index = self._send(source)
-            finally:  # where the engine is, even when a guard raised
-                self._arrive(str(next(iter(self._engine().configuration_values))))
+            index = self._send(source)
             if key is not None:
                 self.compiled.decisions[key] = index
-        edge = self.compiled.spec.catch_edge(index)
+        target = self._landing(index)
+        if self._sm is not None and self._sm.current_state_value != target:
+            self._sm.current_state_value = target  # the engine went to the static target
+        self._arrive(target)
+        return self._fired(index, source)
+
+    def _fired(self, index: int, source: str) -> FiredTransition:
+        spec = self.compiled.spec
+        paths: dict[str, Any] = {}
+        if spec.has_compound:
+            paths = {"path_from": spec.state_path(source), "path_to": spec.state_path(self.state)}
+        edge = spec.catch_edge(index)
         if edge is not None:
             return FiredTransition(
                 index,
@@ -135,9 +180,12 @@ class Machine:
                 edge.reason,
                 self.is_final,
                 catch=edge.error,
+                **paths,
             )
-        t = self.compiled.spec.transitions[index]
-        return FiredTransition(index, t.source, t.target, t.label(), t.reason, self.is_final)
+        t = spec.transitions[index]
+        return FiredTransition(
+            index, t.source, t.target, t.label(), t.reason, self.is_final, **paths
+        )
 
     def _send(self, source: str) -> int:
         try:
@@ -146,6 +194,10 @@ class Machine:
             raise NoTransitionError(
                 f"no transition out of {source!r} had its guards pass", run_id=self.ctx.run_id
             ) from None
+        finally:  # where the engine is, even when a guard raised (history: see `step`)
+            here = str(next(iter(self._engine().configuration_values)))
+            self._where = (here, self.compiled.spec.ends_run(here))
+            self.ctx.current_state = here
         index = self.ctx.notes.fired
         assert index is not None, "a fired transition always marks itself"
         return index
@@ -196,7 +248,8 @@ class CompiledWorkflow:
             for td in defs:
                 index = td["on"].fired_index
                 self.on_fire[index], self.targets[index] = td["on"], td["target"]
-            if not any(t.source == sid and t.has_user_guard for t in spec.transitions):
+            tried = edges_tried(spec, sid) if sid in spec.states else []
+            if not any(spec.transitions[i].has_user_guard for i in tried):
                 self.pure_guards[sid] = tuple(
                     g for td in defs for g in (*td.get("cond", ()), *td.get("unless", ()))
                 )
@@ -243,14 +296,32 @@ def _woken_by(index: int, t: TransitionSpec) -> Callable[[RunContext], bool]:
     return woken
 
 
-def _transition_def(index: int, t: TransitionSpec) -> dict[str, Any]:
-    td: dict[str, Any] = {"event": EVENT_NAME, "target": t.target, "on": _mark(index)}
+def _completed(holds: bool) -> Callable[[RunContext], bool]:
+    """`completed` as tried in one state: whether it is a final child of the edge's source is
+    known when compiling (see workflow/compound.py)."""
+
+    def completed(model: RunContext) -> bool:
+        return holds
+
+    return completed
+
+
+def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str) -> dict[str, Any]:
+    """Edge `index` as tried in `leaf` (its source, or a state inside it); the engine's target
+    is where the edge enters (`Machine._landing` moves it on to a state's history)."""
+    td: dict[str, Any] = {"event": EVENT_NAME, "target": spec.entry(t.target), "on": _mark(index)}
+
+    def guard(name: str) -> Callable[[RunContext], bool]:
+        if name == COMPLETED:
+            return _completed(final_child_of(spec, leaf, t.source))
+        return _guard_fn(name)
+
     conds = [_woken_by(index, t)] if t.waits else []
-    conds += [_guard_fn(g) for g in t.guard]
+    conds += [guard(g) for g in t.guard]
     if conds:
         td["cond"] = conds
     if t.unless:
-        td["unless"] = [_guard_fn(g) for g in t.unless]
+        td["unless"] = [guard(g) for g in t.unless]
     return td
 
 
@@ -273,15 +344,27 @@ def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
 
 def _state_definitions(spec: WorkflowSpec) -> dict[str, Any]:
     """The machine's states and their transitions, as python-statemachine's factory takes
-    them (catch edges first, then the declared transitions, in file order)."""
+    them: one per state without children and per top-level final state; in each, the edges of
+    the compound states it is inside (outermost first), then its catch edges, then its own
+    declared transitions, each in file order."""
+    engine = [*leaves(spec), *spec.final_states()]
+    first = spec.entry(spec.initial)
     states: dict[str, Any] = {
-        sid: {"initial": sid == spec.initial, "final": s.final, "transitions": []}
-        for sid, s in spec.states.items()
+        sid: {"initial": sid == first, "final": spec.ends_run(sid), "transitions": []}
+        for sid in engine
     }
-    for edge in spec.catch_edges():  # tried before the state's own transitions
-        states[edge.source]["transitions"].append(_catch_def(edge, spec.states[edge.source]))
-    for i, t in enumerate(spec.transitions):
-        states[t.source]["transitions"].append(_transition_def(i, t))
+    catches: dict[str, list[CatchEdge]] = {}
+    for edge in spec.catch_edges():
+        catches.setdefault(edge.source, []).append(edge)
+    for leaf in leaves(spec):
+        defs = states[leaf]["transitions"]
+        tried = edges_tried(spec, leaf)
+        own = [i for i in tried if spec.transitions[i].source == leaf]
+        for i in tried:
+            if i == (own[0] if own else None):  # catch edges: before the state's own edges
+                defs += [_catch_def(e, spec.states[leaf]) for e in catches.pop(leaf, [])]
+            defs.append(_transition_def(i, spec.transitions[i], spec, leaf))
+        defs += [_catch_def(e, spec.states[leaf]) for e in catches.pop(leaf, [])]
     for sdef in states.values():
         if not sdef["transitions"]:
             del sdef["transitions"]

@@ -25,6 +25,7 @@ from fsm_kernel.config import DEFAULT_MAX_TOKENS
 
 __all__ = [
     "CHILD_GUARDS",
+    "COMPLETED",
     "DEFAULT_MAP_ITEMS",
     "ERROR_KINDS",
     "MAX_MAP_ITEMS",
@@ -451,6 +452,10 @@ DEFAULT_MAP_ITEMS = 100
 MAX_MAP_ITEMS = 10_000
 """The most `max_items` may be: each item is a run of its own in the event log."""
 CHILD_GUARDS = frozenset({"child_failed", "child_succeeded"})
+
+COMPLETED = "completed"
+"""The built-in guard of an edge out of a compound state: the run is in one of that state's
+final children (the compiler gives it its source; see compiler.py)."""
 """The built-in guards that read a calling state's children's outcome."""
 
 _ERROR_HELP = (
@@ -611,7 +616,28 @@ class StateSpec(_Model):
         f"{DEFAULT_MAP_ITEMS}, at most {MAX_MAP_ITEMS:,}",
     )
 
+    initial: str | None = Field(
+        default=None,
+        description="A compound state's child entered first (with `states:`, it makes this "
+        "state compound: no action of its own, its children run)",
+    )
+    states: dict[str, StateSpec] | None = Field(
+        default=None,
+        description="A compound state's children (ids unique across the whole workflow); an "
+        "edge out of this state is tried first from every state inside it",
+    )
+    history: Literal["shallow", "deep"] | None = Field(
+        default=None,
+        description="A compound state keeps where the run left it: shallow, its child; deep, "
+        "the state at any depth. A transition with `enter: history` returns there",
+    )
+
     _routes_children: bool = PrivateAttr(default=False)
+
+    @property
+    def is_compound(self) -> bool:
+        """A state with children of its own (`initial:` and `states:`)."""
+        return self.states is not None
 
     @property
     def routes_child_outcome(self) -> bool:
@@ -647,6 +673,11 @@ class TransitionSpec(_Model):
         default=None, description="Termination reason; required on edges into final states"
     )
     description: str = ""
+    enter: Literal["initial", "history"] = Field(
+        default="initial",
+        description="Into a compound state: initial (its initial child) or history (where the "
+        "run last left it, as its `history:` says; its initial child the first time)",
+    )
     event: str | None = Field(
         default=None,
         description="Fires when this named event is delivered (fsm-kernel signal RUN NAME); "
@@ -781,6 +812,36 @@ class WorkflowSpec(_Model):
     _path: str = PrivateAttr(default="<string>")
     _content_hash: str = PrivateAttr(default="")
     _locations: dict[tuple[Any, ...], SourceLocation] = PrivateAttr(default_factory=dict)
+    _parents: dict[str, str] = PrivateAttr(default_factory=dict)
+    _keys: dict[str, tuple[Any, ...]] = PrivateAttr(default_factory=dict)
+    _twins: list[tuple[str, tuple[Any, ...]]] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _flatten(self) -> WorkflowSpec:
+        """Put every state, at any depth, in `states` by its id (ids are unique across the
+        workflow, as in SCXML), parents before their children: what the rest of fsm-kernel
+        reads. The tree as written stays in each compound state's own `states`; `parent()`
+        says where each state sits. A second state with an id already taken is left out and
+        kept in `_twins` (with the keys of its place in the file) for validate to report."""
+        flat: dict[str, StateSpec] = {}
+
+        def walk(states: dict[str, StateSpec], keys: tuple[Any, ...], parent: str | None) -> None:
+            for sid, state in states.items():
+                where = (*keys, sid)
+                if sid in flat:
+                    self._twins.append((sid, where))
+                    continue
+                flat[sid] = state
+                self._keys[sid] = where
+                if parent is not None:
+                    self._parents[sid] = parent
+                if state.states is not None:
+                    walk(state.states, (*where, "states"), sid)
+
+        walk(dict(self.states), ("states",), None)
+        self.states.clear()
+        self.states.update(flat)
+        return self
 
     @model_validator(mode="after")
     def _mark_child_routing(self) -> WorkflowSpec:
@@ -802,7 +863,10 @@ class WorkflowSpec(_Model):
         return self._content_hash
 
     def location(self, *keys: Any) -> SourceLocation | None:
-        """Where the node at `keys` (e.g. "transitions", 3, "target") is in the file."""
+        """Where the node at `keys` (e.g. "transitions", 3, "target") is in the file; a nested
+        state is found by its id alone ("states", "think", "action")."""
+        if len(keys) > 1 and keys[0] == "states" and keys[1] in self._keys:
+            keys = (*self._keys[keys[1]], *keys[2:])
         for n in range(len(keys), -1, -1):
             loc = self._locations.get(tuple(keys[:n]))
             if loc is not None:
@@ -827,7 +891,52 @@ class WorkflowSpec(_Model):
         return [t.name for t in self.tools]
 
     def final_states(self) -> list[str]:
-        return [sid for sid, s in self.states.items() if s.final]
+        """The top-level final states: the ones that end a run (a final child of a compound
+        state only completes its parent)."""
+        return [sid for sid, s in self.states.items() if s.final and sid not in self._parents]
+
+    def twins(self) -> list[tuple[str, SourceLocation | None]]:
+        """States declared with an id already taken (left out of `states`), with where."""
+        return [(sid, self._locations.get((*keys, "<key>"))) for sid, keys in self._twins]
+
+    def parent(self, sid: str) -> str | None:
+        """The compound state `sid` is a child of; None at the top level."""
+        return self._parents.get(sid)
+
+    def ancestors(self, sid: str) -> list[str]:
+        """The compound states `sid` is inside, outermost first."""
+        out: list[str] = []
+        here = self._parents.get(sid)
+        while here is not None:
+            out.insert(0, here)
+            here = self._parents.get(here)
+        return out
+
+    def state_path(self, sid: str) -> str:
+        """`sid` with the compound states it is inside: research.think."""
+        return ".".join([*self.ancestors(sid), sid])
+
+    @property
+    def has_compound(self) -> bool:
+        """Some state has children (`initial:` and `states:`)."""
+        return bool(self._parents)
+
+    def ends_run(self, sid: str) -> bool:
+        """A top-level final state: entering it ends the run."""
+        return self.states[sid].final and sid not in self._parents
+
+    def entry(self, sid: str) -> str:
+        """The state a run is in once it enters `sid`: `sid`, or for a compound state its
+        initial child's entry (a run is always in a state without children)."""
+        state = self.states[sid]
+        while state.states is not None and state.initial in self.states:
+            sid = state.initial
+            state = self.states[sid]
+        return sid
+
+    def inside(self, sid: str, compound: str) -> bool:
+        """`sid` is `compound` or a state at any depth inside it."""
+        return sid == compound or compound in self.ancestors(sid)
 
     def transitions_from(self, source: str) -> list[tuple[int, TransitionSpec]]:
         return [(i, t) for i, t in enumerate(self.transitions) if t.source == source]

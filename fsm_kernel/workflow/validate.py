@@ -26,8 +26,10 @@ from fsm_kernel.tools.mcp_client import parse_ref
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
+from fsm_kernel.workflow.compound import compound_errors, containment_edges, fallback_errors
 from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import (
+    COMPLETED,
     MCP_NAME,
     TERMINATION_REASONS,
     SourceLocation,
@@ -148,6 +150,8 @@ def _check_refs(spec: WorkflowSpec, out: Errors) -> dict[str, bool]:
     for i, t in enumerate(spec.transitions):
         for key in ("guard", "unless"):
             for j, name in enumerate(getattr(t, key)):
+                if name == COMPLETED:  # the compiler's, given its source (see compound.py)
+                    continue
                 try:
                     resolve_guard(name)
                 except RefError as exc:
@@ -434,8 +438,20 @@ def _check_edge_end(
     spec: WorkflowSpec, kind: str, target: str, reason: str | None, out: Errors, *where: object
 ) -> None:
     """A known target's reason (`kind`: transition or catch): needed into a final state, only
-    there, and a known one."""
-    into_final = spec.states[target].final
+    there, and a known one. A final child of a compound state ends no run: no reason there."""
+    into_final = spec.ends_run(target)
+    if reason and spec.states[target].final and not into_final:
+        out.append(
+            _fail(
+                spec,
+                f"'reason' is only for edges into a top-level final state: {target!r} is a final "
+                f"child of {spec.parent(target)!r} (it completes it; only top-level final states "
+                "end a run)",
+                *where,
+                "reason",
+            )
+        )
+        return
     if into_final and not reason:
         out.append(_fail(spec, f"{kind} into final state {target!r} needs a 'reason'", *where))
     elif reason and not into_final:
@@ -512,6 +528,9 @@ def _check_recovery(spec: WorkflowSpec, calls_model: dict[str, bool], out: Error
 
 
 def _check_fallbacks(spec: WorkflowSpec, out: Errors) -> None:
+    if spec.has_compound:  # edges of the states a state is inside are tried too
+        out.extend(fallback_errors(spec))
+        return
     for sid, state in spec.states.items():
         if state.final:
             continue
@@ -548,6 +567,7 @@ def _reachable(spec: WorkflowSpec, start: str, forward: bool = True) -> set[str]
     """States reachable from `start` (or that reach it) through transitions and catch edges."""
     edges = [(t.source, t.target) for t in spec.transitions]
     edges += [(c.source, c.target) for c in spec.catch_edges()]
+    edges += containment_edges(spec)
     seen, queue = {start}, deque([start])
     while queue:
         here = queue.popleft()
@@ -610,6 +630,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     out: Errors = []
     _check_names(spec, out)
     _check_reasons(spec, out)
+    out.extend(compound_errors(spec))
     _check_transitions(spec, out)
     _check_waits(spec, out)
     _check_parallel_flags(spec, out)
