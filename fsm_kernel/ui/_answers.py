@@ -1,7 +1,8 @@
 """Answering a run that waits for a person, from its page: the very `fsm-kernel resume RUN_ID
---approve | --reject WHY | --input TEXT --by NAME` a person would type, started as a process of
-its own, so the resumed run is recorded like any other, the page follows it live, and stopping
-the viewer does not stop it.
+--approve | --reject WHY | --input TEXT --by NAME` a person would type (for a run in a waiting
+state, `fsm-kernel signal RUN_ID NAME --data JSON --by NAME`), started as a process of its own,
+so the resumed run is recorded like any other, the page follows it live, and stopping the
+viewer does not stop it.
 
 `Resumes` keeps the answers this viewer started: one question takes one answer (the others get
 409 while it is being resumed), each resume process is waited for on a thread of its own (no
@@ -11,6 +12,7 @@ zombies), and a resume that fails after the page was answered is remembered for 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,13 +26,16 @@ from fsm_kernel.workflow.human import default_by
 
 __all__ = ["Answer", "AnswerFailure", "AnswerRejected", "Resumes", "parse_answer"]
 
-_FLAGS = {"approve": "--approve", "reject": "--reject", "input": "--input"}
-_KINDS = {"approve": "approval", "reject": "approval", "input": "input"}
+_FLAGS = {"approve": "--approve", "reject": "--reject", "input": "--input", "signal": "--data"}
+_KINDS = {"approve": "approval", "reject": "approval", "input": "input", "signal": "event"}
 _SETTLE_SECONDS = 1.5
 """How long an answer's request waits for a resume that fails at once (a usage error, a lock
 held), to refuse it with the resume's own error."""
 _ERROR_TAIL_BYTES = 4096
 _MESSAGE_CHARS = 500
+
+_EVENT = re.compile(r"^[a-z][a-z0-9_]*$")
+"""An event name as `validate` allows it (the run refuses one its state does not await)."""
 
 StillWaiting = Callable[[str, int], bool]
 """Whether run `run_id` still waits on the question of seq `seq` (the answer did not take)."""
@@ -49,7 +54,9 @@ class Answer:
     action: str
     """approve, reject or input."""
     text: str = ""
-    """The reason of a rejection, or the input."""
+    """The reason of a rejection, the input, or an event's data (JSON; may be empty)."""
+    event: str = ""
+    """signal: the event delivered."""
 
     @property
     def kind(self) -> str:
@@ -57,7 +64,14 @@ class Answer:
 
     def arguments(self) -> list[str]:
         flag = _FLAGS[self.action]
+        if self.action == "signal":
+            return [self.event, f"{flag}={self.text}"] if self.text.strip() else [self.event]
         return [flag] if self.action == "approve" else [f"{flag}={self.text}"]
+
+    def command(self, run_id: str) -> list[str]:
+        """The fsm-kernel command that gives this answer to run `run_id`."""
+        verb = "signal" if self.action == "signal" else "resume"
+        return [verb, run_id, *self.arguments()]
 
 
 @dataclass(frozen=True)
@@ -75,11 +89,13 @@ def parse_answer(fields: dict[str, str], waiting_kind: str) -> Answer:
     action = fields.get("action", "")
     if action not in _FLAGS:
         raise AnswerRejected(f"unknown answer {action[:40]!r}", 400)
-    answer = Answer(action, fields.get("text", ""))
+    answer = Answer(action, fields.get("text", ""), fields.get("event", ""))
     if answer.kind != waiting_kind:
         raise AnswerRejected(f"the run waits for {waiting_kind}, not {action}")
     if action == "input" and not answer.text.strip():
         raise AnswerRejected("the input is empty", 400)
+    if action == "signal" and not _EVENT.match(answer.event):
+        raise AnswerRejected("name the event to deliver", 400)
     return answer
 
 
@@ -154,7 +170,7 @@ class Resumes:
 
 def _spawn(location: str, run_id: str, seq: int, answer: Answer, by: str | None) -> _Resume:
     who = by or f"{default_by()} (fsm-kernel ui)"
-    command = [sys.executable, "-m", "fsm_kernel", "resume", run_id, *answer.arguments()]
+    command = [sys.executable, "-m", "fsm_kernel", *answer.command(run_id)]
     command += ["--by", who, "--json"]
     env = {**os.environ, "FSM_KERNEL_STORE": location}
     errors = tempfile.TemporaryFile(prefix="fsm-kernel-ui-")

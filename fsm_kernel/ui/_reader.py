@@ -120,20 +120,25 @@ class WaitingFor:
     """What a waiting run asks a person (from its last `run.suspended` event)."""
 
     kind: str
-    """`approval` (of `tool_call`) or `input` (an answer to `prompt`)."""
+    """`approval` (of `tool_call`), `input` (an answer to `prompt`) or `event` (one of
+    `events`, or its timer once `due`: a waiting state)."""
     state: str | None
     tool_call: dict[str, Any] | None
     prompt: str | None
     seq: int
     """The `run.suspended` event's seq: an answer names the question it answers."""
+    events: tuple[str, ...] = ()
+    due: str | None = None
 
     @classmethod
     def from_event(cls, event: Event) -> WaitingFor:
         waiting = event.data.get("waiting_for")
         waiting = waiting if isinstance(waiting, dict) else {}
         call = waiting.get("tool_call")
-        prompt = waiting.get("prompt")
+        prompt, due = waiting.get("prompt"), waiting.get("due")
         return cls(
+            events=tuple(str(e) for e in waiting.get("events") or () if isinstance(e, str)),
+            due=due if isinstance(due, str) else None,
             kind=str(waiting.get("kind") or "input"),
             state=waiting.get("state") if isinstance(waiting.get("state"), str) else None,
             tool_call=call if isinstance(call, dict) else None,
