@@ -344,10 +344,13 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def _print_audit(run_id: str, audit: dict[str, Any]) -> None:
     print("\ntermination audit:")
     if audit["waiting_for"] is not None:
-        print(f"  status:          waiting for a person: {_waiting_line(audit['waiting_for'])}")
-        print(
-            f"  answer with:     fsm-kernel resume {run_id} {_answer_flags(audit['waiting_for'])}"
-        )
+        waiting = audit["waiting_for"]
+        if waiting.get("kind") == "event":  # a waiting state: an event, or its timer
+            print(f"  status:          waiting for {_event_line(waiting)}")
+            print(f"  go on with:      {_event_commands(run_id, waiting)}")
+        else:
+            print(f"  status:          waiting for a person: {_waiting_line(waiting)}")
+            print(f"  answer with:     fsm-kernel resume {run_id} {_answer_flags(waiting)}")
     elif audit["status"] == "interrupted":
         print("  status:          interrupted (its process stopped before the run ended)")
     else:
@@ -375,6 +378,18 @@ def _waiting_line(waiting: dict[str, Any]) -> str:
         arguments = json.dumps(call.get("arguments"), ensure_ascii=False, sort_keys=True)
         return f"approval of {call.get('name')}({cut(arguments, 80)}) in {waiting.get('state')}"
     return f"input {cut(str(waiting.get('prompt') or ''), 80)!r} in {waiting.get('state')}"
+
+
+def _event_line(waiting: dict[str, Any]) -> str:
+    events = " | ".join(str(e) for e in waiting.get("events") or ()) or "no event"
+    due = f" or its timer, due {waiting['due']}" if waiting.get("due") else ""
+    return f"event {events}{due} in {waiting.get('state')}"
+
+
+def _event_commands(run_id: str, waiting: dict[str, Any]) -> str:
+    first = next(iter(waiting.get("events") or ()), "NAME")
+    once_due = f"; once due: fsm-kernel resume {run_id}" if waiting.get("due") else ""
+    return f"fsm-kernel signal {run_id} {first} [--data JSON]{once_due}"
 
 
 def _answer_flags(waiting: dict[str, Any]) -> str:

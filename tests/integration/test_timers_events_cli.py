@@ -90,6 +90,13 @@ def test_a_run_waits_for_an_event_and_signal_from_another_process_continues_it(
     run_id = waiting["run_id"]
     listed = cli(capsys, "runs", "list", "--waiting", "--store", str(store), "--json")
     assert [r["run_id"] for r in json.loads(listed.out)] == [run_id]
+    shown = cli(capsys, "runs", "show", run_id, "--store", str(store)).out
+    due = waiting["waiting_for"]["due"]
+    assert f"waiting for event ci_passed or its timer, due {due} in wait_for_ci" in shown
+    assert (
+        f"go on with:      fsm-kernel signal {run_id} ci_passed [--data JSON]; once due: "
+        f"fsm-kernel resume {run_id}"
+    ) in shown
 
     server.enqueue(text_reply("deployed build 7"))
     done = subprocess.run(
