@@ -49,6 +49,9 @@ _IDENTITY: dict[EventType, tuple[str, ...]] = {
     EventType.TRANSITION_TAKEN: ("source", "target", "index"),
     EventType.TOOL_STARTED: ("call",),
     EventType.ITERATION_COMPLETED: ("step",),
+    EventType.TIMER_SET: ("edge",),
+    EventType.TIMER_FIRED: ("edge",),
+    EventType.EVENT_DELIVERED: ("name",),
 }
 
 

@@ -121,6 +121,7 @@ async def _next_answer(
         if delay > in_process:
             raise
         if delay > 0:
+            await ctx.flush()  # the timer is in the log before the process sleeps on it
             await _sleep_off_the_clock(ctx, delay)
         return HumanAnswer.timer_fired(first.edge)
 

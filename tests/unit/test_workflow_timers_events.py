@@ -329,3 +329,26 @@ def _acting(state: str, key: str) -> str:
 
 def test_the_example_validates() -> None:
     assert check_workflow_text(WAIT_CI, path="w.yaml").errors == []
+
+
+def test_a_forced_resume_under_a_changed_timer_edge_sets_it_again(tmp_path: Path) -> None:
+    path, clock = _workflow(tmp_path), FakeClock()
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        first = asyncio.run(_kernel(path, store, clock, ["planned"]).run("ship it"))
+        path.write_text(
+            WAIT_CI.replace(
+                "  - {source: wait_for_ci, target: gave_up, after: 30m",
+                "  - {source: wait_for_ci, target: deploy, event: ci_forced}\n"
+                "  - {source: wait_for_ci, target: gave_up, after: 1h",
+            )
+        )
+        clock.at += timedelta(minutes=40)  # past the recorded timer's due time
+        again = asyncio.run(
+            resume_run(_kernel(path, store, clock, []), store, first.run_id, force=True)
+        )
+
+        assert again.status == "waiting"  # the 1h timer of edge 3 is set anew, not fired
+        assert again.waiting_for is not None
+        assert again.waiting_for["due"] == (START + timedelta(minutes=100)).isoformat()
+        assert [d["edge"] for d in _data(store, first.run_id, EventType.TIMER_SET)] == [2, 3]
+        assert _data(store, first.run_id, EventType.TIMER_FIRED) == []
