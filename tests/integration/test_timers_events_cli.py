@@ -210,3 +210,33 @@ def test_agent_signal_delivers_an_event_through_the_python_api(
             )
 
     assert asyncio.run(go()) == ("waiting", "final_answer", "deployed")
+
+
+def test_a_child_run_that_waits_for_an_event_is_signalled_through_its_parent(
+    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "child.yaml").write_text(
+        "name: child_wait\ninitial: wait\nstates:\n  wait: {}\n  done: {final: true}\n"
+        "transitions:\n  - {source: wait, target: done, event: go, reason: final_answer}\n"
+    )
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(
+        "name: parent_call\ninitial: call\nstates:\n"
+        "  call: {action: workflow.call, workflow: child.yaml}\n  done: {final: true}\n"
+        "transitions:\n  - {source: call, target: done, reason: final_answer}\n"
+    )
+    store = tmp_path / "runs.db"
+
+    first = cli(capsys, _run(server, parent, store))
+
+    assert first.code == 3
+    waiting = first.json()["waiting_for"]
+    assert (waiting["kind"], waiting["events"], waiting["due"]) == ("event", ["go"], None)
+    run_id, child_id = first.json()["run_id"], waiting["child_run_id"]
+    done = cli(capsys, "signal", run_id, "go", "--data", "[1, 2]", "--store", str(store), "--json")
+
+    assert done.code == 0, done.err
+    assert done.json()["termination_reason"] == "final_answer"
+    delivered = [d for t, d in _events(store, child_id) if t == "event.delivered"]
+    assert [(d["name"], d["data"]) for d in delivered] == [("go", [1, 2])]
+    assert cli(capsys, "replay", run_id, "--store", str(store)).code == 0
