@@ -154,6 +154,7 @@ class Scheduler:
         self._stop_requested.set()
         if abandon:
             self._abandon.set()
+            self._executor.abandon_all()
 
     async def run_cycle(self, now: datetime | None = None) -> CycleResult:
         """One tick: read state, plan, enqueue, execute, report. Does not take the fleet-wide

@@ -11,8 +11,7 @@ import logging
 import os
 import secrets
 import socket
-from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -158,6 +157,70 @@ class CompletionBuffer:
                     future.set_result(result)
 
 
+class _CancelFlag:
+    """A run's cancel request (an Event that also wakes the run's watch)."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._set = False
+        self._wake = wake
+
+    def set(self) -> None:
+        self._set = True
+        self._wake()
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class _Watch:
+    """Waits for whatever ends a run's wait first (the run's end, a cancel request, the
+    timeout, a lost lease, abandon_all) without a task per cause: each wakes one future.
+    Heartbeats start one interval after the claim, so a run shorter than that costs no task
+    for them."""
+
+    def __init__(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.timeout = timeout
+        self.woken: asyncio.Future[None] = loop.create_future()
+        self.timed_out = False
+        self.lease_lost: str | None = None
+        self._timer = loop.call_later(timeout, self._time_out)
+        self._beat_timer: asyncio.TimerHandle | None = None
+        self._beats: asyncio.Task[str] | None = None
+
+    def wake(self, *_: object) -> None:
+        if not self.woken.done():
+            self.woken.set_result(None)
+
+    def start_beats(self, interval: float, beats: Callable[[], Coroutine[Any, Any, str]]) -> None:
+        loop = asyncio.get_running_loop()
+        self._beat_timer = loop.call_later(interval, self._begin, beats)
+
+    async def close(self, run: asyncio.Task[RunOutcome]) -> None:
+        """Stop the timers and heartbeats, and the run if it still runs."""
+        self._timer.cancel()
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+        tasks = [t for t in (run, self._beats) if t is not None and not t.done()]
+        if tasks:
+            await _cancel(*tasks)
+
+    def _time_out(self) -> None:
+        self.timed_out = True
+        self.wake()
+
+    def _begin(self, beats: Callable[[], Coroutine[Any, Any, str]]) -> None:
+        self._beats = asyncio.get_running_loop().create_task(beats())
+        self._beats.add_done_callback(self._beats_ended)
+
+    def _beats_ended(self, task: asyncio.Task[str]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self.lease_lost = task.result() if exc is None else one_line_error(exc)
+        self.wake()
+
+
 class DispatchExecutor:
     """Runs claimed dispatches for one worker id."""
 
@@ -173,7 +236,8 @@ class DispatchExecutor:
         self.queue = queue
         self.runner = runner
         self.worker_id = worker_id
-        self._cancels: dict[str, asyncio.Event] = {}
+        self._cancels: dict[str, _CancelFlag] = {}
+        self._watches: set[_Watch] = set()
         self._completions = CompletionBuffer(queue, config.max_concurrent)
         self.notifier = DispatchNotifier(config.notify, config.store) if config.notify else None
         """Tells the config's `notify:` webhooks about failed dispatches."""
@@ -192,7 +256,11 @@ class DispatchExecutor:
         return event is not None
 
     async def execute(
-        self, dispatch: Dispatch, *, abandon: asyncio.Event | None = None
+        self,
+        dispatch: Dispatch,
+        *,
+        abandon: asyncio.Event | None = None,
+        ran: Callable[[], None] | None = None,
     ) -> DispatchDetail:
         """Run a dispatch this worker has claimed and record its outcome.
 
@@ -201,44 +269,54 @@ class DispatchExecutor:
         one. On a cancel request or the timeout the runner's task is cancelled, which the kernel
         records as the end of the run with the reason `cancelled`; the run id is kept from what
         the runner then returns. If `abandon` is set mid-run, or this task is cancelled, the run
-        is cancelled and the dispatch left running for its lease to expire.
+        is cancelled and the dispatch left running for its lease to expire. `ran` is called when
+        the run has ended, before its outcome is recorded (the worker's slot is free then).
         """
         agent = self.config.agent(dispatch.agent_id)
         if agent is None:
             error = f"agent {dispatch.agent_id!r} is not in the scheduler config"
             return await self._finish(dispatch, RunOutcome(ok=False, error=error), False)
-        cancel = self._cancels[dispatch.dispatch_id] = asyncio.Event()
+        watch = _Watch(self.config.timeout_seconds)
+        cancel = self._cancels[dispatch.dispatch_id] = _CancelFlag(watch.wake)
+        self._watches.add(watch)
         run = asyncio.create_task(_invoke(self.runner, agent, dispatch.prompt))
-        beat = asyncio.create_task(self._heartbeats(dispatch, cancel))
-        stops = [asyncio.create_task(e.wait()) for e in (cancel, abandon) if e is not None]
-        timeout = self.config.timeout_seconds
+        run.add_done_callback(watch.wake)
+        watch.start_beats(
+            self.config.heartbeat_interval, lambda: self._heartbeats(dispatch, cancel)
+        )
         try:
-            done, _ = await asyncio.wait(
-                {run, beat, *stops}, timeout=timeout, return_when=FIRST_COMPLETED
-            )
+            if not (abandon is not None and abandon.is_set()):
+                await watch.woken
             ended = run.done()
-            interrupted = not ended and (cancel.is_set() or not done)
+            interrupted = not ended and (cancel.is_set() or watch.timed_out)
             if interrupted:  # a cancel request or the timeout: let the kernel record the end
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
         finally:
-            await _cancel(run, beat, *stops)
+            self._watches.discard(watch)
+            await watch.close(run)
             self._cancels.pop(dispatch.dispatch_id, None)
+            if ran is not None:
+                ran()
         if ended:
             return await self._finish(dispatch, _outcome(run, dispatch), cancel.is_set())
         if interrupted:
-            outcome = _interrupted(run, dispatch, cancelled=cancel.is_set(), timeout=timeout)
+            outcome = _interrupted(run, dispatch, cancelled=cancel.is_set(), timeout=watch.timeout)
             return await self._finish(dispatch, outcome, cancel.is_set())
-        if beat.done() and not beat.cancelled():
-            return _detail(dispatch, ExecutionStatus.LOST, error=beat.result())
+        if watch.lease_lost is not None:
+            return _detail(dispatch, ExecutionStatus.LOST, error=watch.lease_lost)
         logger.warning("dispatch %s (%s) abandoned mid-run", dispatch.dispatch_id, agent.agent_id)
         return _detail(dispatch, ExecutionStatus.ABANDONED)
 
-    async def _heartbeats(self, dispatch: Dispatch, cancel: asyncio.Event) -> str:
-        """Renew the lease every heartbeat interval, and notice a cancel request there; returns
-        why the lease was lost."""
+    def abandon_all(self) -> None:
+        """Wake every run's wait: the `abandon` event given to execute() has been set."""
+        for watch in list(self._watches):
+            watch.wake()
+
+    async def _heartbeats(self, dispatch: Dispatch, cancel: _CancelFlag) -> str:
+        """Renew the lease every heartbeat interval (the first one interval after the claim),
+        and notice a cancel request there; returns why the lease was lost."""
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
             try:
                 row = await asyncio.to_thread(
                     self.queue.heartbeat,
@@ -252,10 +330,11 @@ class DispatchExecutor:
                 return str(exc)
             except StoreError as exc:  # transient: keep running, retry at the next beat
                 logger.warning("dispatch %s: heartbeat failed: %s", dispatch.dispatch_id, exc)
-                continue
-            if row.cancel_requested_at is not None and not cancel.is_set():
-                logger.info("dispatch %s: cancel requested, stopping its run", dispatch.dispatch_id)
-                cancel.set()
+            else:
+                if row.cancel_requested_at is not None and not cancel.is_set():
+                    logger.info("dispatch %s: cancel requested, stopping it", dispatch.dispatch_id)
+                    cancel.set()
+            await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _finish(
         self, dispatch: Dispatch, outcome: RunOutcome, cancel_requested: bool

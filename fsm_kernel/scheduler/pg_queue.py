@@ -25,7 +25,7 @@ import builtins
 import logging
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -172,15 +172,17 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     def __init__(self, dsn: str, *, clock: Clock | None = None) -> None:
         self.dsn = dsn
         self.clock: Clock = clock or SystemClock()
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        self._main = _Link(dsn)
+        self._outcomes = _Link(dsn)
+        """complete_batch's own connection: a worker's outcomes are recorded while its next
+        claim is under way, not behind it."""
 
     def __repr__(self) -> str:
         return "PostgresDispatchQueue(<dsn hidden>)"  # a DSN may carry a password
 
     def close(self) -> None:
-        with self._lock:
-            self._drop_connection()
+        self._main.close()
+        self._outcomes.close()
 
     def claim_batch(
         self,
@@ -216,7 +218,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
             for name in ("run_id", "termination_reason", "error")
         ]
         params = (*columns, statuses, *outcomes, now, max_concurrent, now, max_concurrent)
-        with self._session() as conn:
+        with self._outcomes.session() as conn:
             rows = conn.execute(_COMPLETE_BATCH, params).fetchall()
             done = {row["dispatch_id"]: Dispatch.from_row(row) for row in rows}
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in done]
@@ -252,7 +254,47 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         cap, now = notify
         return f"WITH changed AS ({sql}) {_NOTIFY_IF_SLOT_AWAITED}", (*params, cap, now, cap)
 
-    def _drop_connection(self) -> None:
+    def _session(self) -> AbstractContextManager[psycopg.Connection[dict[str, Any]]]:
+        """The main connection (autocommit), psycopg's errors translated to StoreError."""
+        return self._main.session()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+        with self._session() as conn, conn.transaction():
+            yield conn
+
+    _read = _session
+    """Autocommit: each statement is its own (implicit) transaction, a single round trip."""
+    _write = _session
+
+
+class _Link:
+    """One connection, opened on first use, shared by threads under a lock, dropped after a
+    connection failure (the next call reconnects)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    @contextmanager
+    def session(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+        """The connection (autocommit), psycopg's errors translated to StoreError."""
+        with self._lock:
+            try:
+                yield self._connect()
+            except psycopg.OperationalError as exc:
+                logger.warning("dispatch store connection failed, reconnecting next call: %s", exc)
+                self._drop()
+                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {exc}") from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"dispatch store (PostgreSQL) failed: {exc}") from exc
+
+    def _drop(self) -> None:
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -263,28 +305,6 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
         return self._conn
-
-    @contextmanager
-    def _session(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
-        """The connection (autocommit), psycopg's errors translated to StoreError."""
-        with self._lock:
-            try:
-                yield self._connect()
-            except psycopg.OperationalError as exc:
-                logger.warning("dispatch store connection failed, reconnecting next call: %s", exc)
-                self._drop_connection()
-                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {exc}") from exc
-            except psycopg.Error as exc:
-                raise StoreError(f"dispatch store (PostgreSQL) failed: {exc}") from exc
-
-    @contextmanager
-    def _transaction(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
-        with self._session() as conn, conn.transaction():
-            yield conn
-
-    _read = _session
-    """Autocommit: each statement is its own (implicit) transaction, a single round trip."""
-    _write = _session
 
 
 class PostgresDispatchListener:

@@ -69,6 +69,9 @@ class Worker:
         self._stop_requested = asyncio.Event()
         self._abandon = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()
+        """The dispatches whose runs have not ended: the slots taken (an ended run's outcome
+        may still be being recorded, in a batch, while the slot is claimed again)."""
         self._changed = asyncio.Event()
         """Set when it is worth looking at the queue again: a run ended, a notification came,
         or stop() was called."""
@@ -87,6 +90,7 @@ class Worker:
         self._changed.set()
         if abandon:
             self._abandon.set()
+            self._executor.abandon_all()
 
     async def run(self, stop_event: asyncio.Event | None = None) -> None:
         """Claim and execute until `stop_event` is set or stop() is called."""
@@ -112,7 +116,7 @@ class Worker:
     async def _loop(self) -> None:
         while not self.stopping:
             self._changed.clear()  # from now on, a change means: look again
-            free = self.concurrency - len(self._in_flight)
+            free = self.concurrency - len(self._busy)
             if free <= 0:
                 await self._changed.wait()  # busy: only the end of a run frees a slot here
                 continue
@@ -153,16 +157,25 @@ class Worker:
             return []
 
     def _start(self, dispatch: Dispatch) -> None:
+        self._busy.add(dispatch.dispatch_id)
         task = asyncio.create_task(self._execute(dispatch))
         self._in_flight.add(task)
-        task.add_done_callback(self._finished)
+        task.add_done_callback(lambda done: self._finished(done, dispatch.dispatch_id))
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
+    def _free(self, dispatch_id: str) -> None:
+        if dispatch_id in self._busy:
+            self._busy.discard(dispatch_id)
+            self._changed.set()
+
+    def _finished(self, task: asyncio.Task[None], dispatch_id: str) -> None:
         self._in_flight.discard(task)
+        self._free(dispatch_id)
         self._changed.set()
 
     async def _execute(self, dispatch: Dispatch) -> None:
-        detail = await self._executor.execute(dispatch, abandon=self._abandon)
+        detail = await self._executor.execute(
+            dispatch, abandon=self._abandon, ran=lambda: self._free(dispatch.dispatch_id)
+        )
         if self._on_result is not None:
             self._on_result(detail)
 
