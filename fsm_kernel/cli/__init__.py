@@ -42,7 +42,8 @@ EXIT_CODES_HELP = (
     "server, the store, a run another process holds); 2 bad input (an unknown option, a bad "
     "value, an invalid workflow or config file, an unknown or ambiguous run or dispatch id, a "
     "run that cannot be resumed as asked); 3 the run waits for a person (answer it with "
-    "'fsm-kernel resume RUN_ID --approve | --reject WHY | --input TEXT')."
+    "'fsm-kernel resume RUN_ID --approve | --reject WHY | --input TEXT') or, in a waiting "
+    "state, for an event or its timer (send the event with the signal command)."
 )
 """The one table of exit codes, the epilog of every command's --help (and in the README)."""
 

@@ -20,7 +20,7 @@ from fsm_kernel.kernel import Kernel
 from fsm_kernel.protocol import EventType
 from fsm_kernel.replay import replay_run, resume_run
 from fsm_kernel.store import SqliteEventStore
-from fsm_kernel.testing import ScriptedChatModel
+from fsm_kernel.testing import ScriptedChatModel, ScriptedHuman, WorkflowHarness
 from fsm_kernel.tools import builtin_registry
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanAnswer
@@ -352,3 +352,25 @@ def test_a_forced_resume_under_a_changed_timer_edge_sets_it_again(tmp_path: Path
         assert again.waiting_for["due"] == (START + timedelta(minutes=100)).isoformat()
         assert [d["edge"] for d in _data(store, first.run_id, EventType.TIMER_SET)] == [2, 3]
         assert _data(store, first.run_id, EventType.TIMER_FIRED) == []
+
+
+def test_the_harness_delivers_events_and_fires_timers_from_a_script(tmp_path: Path) -> None:
+    harness = WorkflowHarness(_workflow(tmp_path))
+
+    delivered = harness.run(
+        "ship it",
+        model=ScriptedChatModel(["planned", "deployed"]),
+        human=ScriptedHuman([HumanAnswer.signal("ci_passed", {"build": 7})]),
+    )
+    timed_out = harness.run(
+        "ship it",
+        model=ScriptedChatModel(["planned"]),
+        human=ScriptedHuman([HumanAnswer.timer_fired(2)]),  # the after: edge, third in the file
+    )
+    waiting = harness.run("ship it", model=ScriptedChatModel(["planned"]))
+
+    assert (delivered.termination_reason, delivered.response) == ("final_answer", "deployed")
+    assert timed_out.termination_reason == "timed_out"
+    assert waiting.status == "waiting"
+    assert waiting.waiting_for is not None
+    assert waiting.waiting_for["events"] == ["ci_passed"]
