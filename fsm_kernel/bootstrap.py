@@ -37,7 +37,7 @@ from fsm_kernel.tools.mcp_client import McpRef, McpServers, parse_ref
 from fsm_kernel.tools.registry import build_tool, import_tools
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanChannel
-from fsm_kernel.workflow.loader import find_workflow, load_workflow
+from fsm_kernel.workflow.loader import find_workflow, load_workflow, load_workflow_text
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
@@ -128,6 +128,22 @@ def load_spec(name_or_path: str) -> WorkflowSpec:
         if folder not in sys.path:
             sys.path.insert(0, folder)
     return load_workflow(path)
+
+
+def pinned_spec(text: str, path: str | None) -> WorkflowSpec:
+    """The workflow a run recorded, from its text: as if still at its recorded path, so a
+    relative `memory:` or called workflow resolves against the original file's folder, and its
+    `package.module:function` references import from the environment as `load_spec` lets them.
+
+    Raises:
+        WorkflowValidationError: the recorded text no longer validates (e.g. a Python
+            reference it names is gone).
+    """
+    where = path or "<recorded>"
+    for folder in (str(Path.cwd()), str(Path(where).resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    return load_workflow_text(text, path=where)
 
 
 def resolve_workflow(name_or_path: str | Path) -> Path:

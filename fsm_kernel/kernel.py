@@ -550,6 +550,8 @@ class Kernel:
             "workflow": self.spec.name,
             "workflow_path": self.spec.path,
             "workflow_hash": self.spec.content_hash,
+            "workflow_version": self.spec.version,
+            "workflow_text": self.spec.text or None,  # resume and replay follow this text
             "goal": prompt,
             "settings": self.settings,
             "limits": limits.model_dump(),

@@ -9,11 +9,13 @@ with the model's answers and the tools' outputs served from the event log.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from fsm_kernel import errors
@@ -286,6 +288,12 @@ class RecordedRun:
         failing: the run can go on from its last completed step."""
         return self.terminated is None or bool(self.terminated.data.get("resumable"))
 
+    @property
+    def definition(self) -> tuple[str | None, str | None]:
+        """(sha256, text) of the workflow the run follows now (see recorded_definition)."""
+        digest, text, _ = recorded_definition(self.events)
+        return digest, text
+
     def config(self) -> dict[str, Any]:
         """What the run last ran with: `run.started`'s settings (server, model, timeouts,
         retries, workspace, tools), limits and system prompt, updated by each `run.resumed`."""
@@ -487,7 +495,7 @@ async def _resume_locked(
         )
     answer = check_answer(run, answer, now=kernel.clock.now())  # bound to the call shown
     reopened, run.terminated = run.terminated, None
-    recorded_hash = run.started.data.get("workflow_hash")
+    recorded_hash = run.definition[0]  # the last definition it ran under
     new_hash = kernel.spec.content_hash
     if recorded_hash != new_hash and not force:
         raise ResumeError(
@@ -503,6 +511,8 @@ async def _resume_locked(
     resumed: dict[str, Any] = {
         "workflow_hash": new_hash,
         "forced": recorded_hash != new_hash,
+        "workflow_text": (kernel.spec.text or None) if recorded_hash != new_hash else None,
+        "workflow_version": kernel.spec.version,
         "settings": kernel.settings,
         "limits": kernel.limits.model_dump(),
         "system_prompt": kernel.system_prompt,
@@ -827,3 +837,62 @@ def _conversation_of(events: Sequence[Event]) -> list[Message]:
             out.append(message)
     out.extend(sorted(pending, key=lambda m: order.get(m.tool_call_id or "", len(order))))
     return out
+
+
+def recorded_definition(events: Sequence[Event]) -> tuple[str | None, str | None, Any]:
+    """(sha256, text, version) of the workflow a run follows now: `run.started`'s, or the file
+    a `resume --force` moved it to (that run.resumed records the new text). The text is None
+    for a log an older fsm-kernel wrote: the file on disk is checked against the hash."""
+    digest: str | None = None
+    text: str | None = None
+    version: Any = None
+    for e in events:
+        if e.type not in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
+            continue
+        recorded, new = e.data.get("workflow_text"), e.data.get("workflow_hash")
+        if isinstance(recorded, str) and recorded:
+            text, version = recorded, e.data.get("workflow_version")
+        elif new != digest:
+            text, version = None, None
+        digest = new if isinstance(new, str) else None
+    return digest, text, version
+
+
+def pinning(events: Sequence[Event], *, may_read: Callable[[Path], bool]) -> dict[str, Any]:
+    """Which definition a run follows (the version and sha256 it last recorded) and what the
+    file at its recorded path says now (read only when `may_read(path)`), with a line saying
+    so: "pinned to version 1 (sha256 …); the file now says version 2 (sha256 …)"."""
+    digest, _, version = recorded_definition(events)
+    path = events[0].data.get("workflow_path") if events else None
+    now = _file_now(Path(path)) if isinstance(path, str) and may_read(Path(path)) else None
+    out: dict[str, Any] = {"version": version, "workflow_hash": digest}
+    out["file_version"], out["file_hash"] = now if now is not None else (None, None)
+    out["file_changed"] = None if now is None else now[1] != digest
+    out["line"] = _pinning_line(out)
+    return out
+
+
+def _file_now(path: Path) -> tuple[Any, str] | None:
+    """(version, sha256) of the workflow file at `path` now; None when it cannot be read."""
+    from fsm_kernel.workflow.loader import parse_yaml_with_locations, read_yaml_file
+
+    try:
+        text = read_yaml_file(path)
+        data = parse_yaml_with_locations(text, str(path))[0]
+    except Exception:  # gone, unreadable or not YAML any more: nothing to compare
+        return None
+    version = data.get("version") if isinstance(data, dict) else None
+    return version, hashlib.sha256(text.encode()).hexdigest()
+
+
+def _pinning_line(p: Mapping[str, Any]) -> str:
+    if not p["workflow_hash"]:
+        return ""
+    pinned = f"version {p['version']}" if p["version"] is not None else "no version"
+    line = f"pinned to {pinned} (sha256 {str(p['workflow_hash'])[:12]})"
+    if p["file_changed"] is None:
+        return f"{line}; its file cannot be read here"
+    if not p["file_changed"]:
+        return f"{line}; the file is unchanged"
+    now = f"version {p['file_version']}" if p["file_version"] is not None else "no version"
+    return f"{line}; the file now says {now} (sha256 {str(p['file_hash'])[:12]})"

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fsm_kernel.api import Agent
     from fsm_kernel.kernel import RunResult
     from fsm_kernel.replay import RecordedRun
+    from fsm_kernel.workflow.spec import WorkflowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,9 @@ def _audit(events: list[Event]) -> dict[str, Any]:
         elif e.type == EventType.RUN_RESUMED:
             terminated, waiting = None, None
     last = next((e for e in reversed(events) if e.type == EventType.TRANSITION_TAKEN), None)
+    entered = next((e for e in reversed(events) if e.type == EventType.STATE_ENTERED), None)
     return {
+        "state": (entered.data.get("path") or entered.state) if entered else None,
         "workflow": started.get("workflow"),
         "workflow_path": started.get("workflow_path"),
         "goal": started.get("goal"),
@@ -305,12 +308,15 @@ def _model_line(settings: dict[str, Any]) -> str:
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
+    from fsm_kernel.replay import pinning
+
     with _open(args) as store:
         run_id = store.find_run(args.run_id)
         events = store.read(run_id)
         children = _child_tree(store, events, {run_id})
         audit = _audit(events)
         audit["status"] = _status(store, run_id, audit)
+    audit["pinned"] = pinning(events, may_read=lambda _: True)
     iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
     if args.json:
         print(
@@ -330,6 +336,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print(f"child of: {audit['parent_run_id']} (fsm-kernel runs show {audit['parent_run_id']})")
     if audit["model"]:
         print(f"model: {audit['model']}")
+    if audit["pinned"]["line"]:
+        print(f"definition: {audit['pinned']['line']}")
     print(f"goal: {cut(audit['goal'] or '', 150)}\n")
     print(f"{'STEP':>4}  {'DECISION':10}  {'TOOL':16}  {'INPUT':30}  {'OUTPUT':40}  ERROR")
     for it in iterations:
@@ -357,10 +365,7 @@ def _print_audit(run_id: str, audit: dict[str, Any]) -> None:
         print(f"  reason:          {audit['reason'] or '(not terminated: resume it)'}")
     for answered in audit["answers"]:
         print(f"  answered:        {_answered_line(answered)}")
-    if audit["last_transition"]:
-        t = audit["last_transition"]
-        guard = f" [{t.get('guard')}]" if t.get("guard") else ""
-        print(f"  last transition: {t['source']} → {t['target']}{guard}")
+    _print_where(audit)
     if audit["error"]:
         print(f"  error:           {audit['error']}")
     if audit["answer"]:
@@ -370,6 +375,18 @@ def _print_audit(run_id: str, audit: dict[str, Any]) -> None:
     if audit["resumable"]:
         why = "it did not end" if audit["reason"] is None else "the model server failed"
         print(f"  resumable:       yes ({why}): fsm-kernel resume {run_id}")
+
+
+def _print_where(audit: dict[str, Any]) -> None:
+    """Where the run is (its full path, inside a compound state) and its last transition, with
+    the full paths of the states it left and entered where the log has them."""
+    if audit["reason"] is None and "." in str(audit["state"] or ""):
+        print(f"  state:           {audit['state']}")
+    if audit["last_transition"]:
+        t = audit["last_transition"]
+        guard = f" [{t.get('guard')}]" if t.get("guard") else ""
+        source, target = t.get("from") or t["source"], t.get("to") or t["target"]
+        print(f"  last transition: {source} → {target}{guard}")
 
 
 def _waiting_line(waiting: dict[str, Any]) -> str:
@@ -449,11 +466,18 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _recorded_workflow(run: RecordedRun, override: str | None) -> str:
+def _recorded_workflow(run: RecordedRun, override: str | None) -> str | WorkflowSpec:
+    """The workflow to go on with: --workflow if given, else the text the run recorded (it is
+    pinned to it even after its file changed), else (a log from an older fsm-kernel) the file
+    at the recorded path, which resume checks against the recorded hash."""
+    from fsm_kernel.bootstrap import pinned_spec
     from fsm_kernel.errors import ResumeError
 
     if override:
         return override
+    text = run.definition[1]
+    if text is not None:
+        return pinned_spec(text, run.started.data.get("workflow_path"))
     path = run.started.data.get("workflow_path")
     if not path:
         raise ResumeError(f"run {run.run_id} recorded no workflow path; pass --workflow")
@@ -534,7 +558,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
-        spec = load_spec(_recorded_workflow(run, args.workflow))
+        chosen = _recorded_workflow(run, args.workflow)
+        spec = load_spec(chosen) if isinstance(chosen, str) else chosen
         # Without --workflow: reproduce the run under the limits it ran with (from its log);
         # with it: a what-if under the edited file's own limits.
         limits = spec.limits if args.workflow else None

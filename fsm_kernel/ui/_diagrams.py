@@ -18,7 +18,7 @@ from fsm_kernel.config import package_data_dir
 from fsm_kernel.diagram import RunOverlay, overlay_problems, render_svg, to_dot
 from fsm_kernel.errors import ConfigError, WorkflowError
 from fsm_kernel.redact import redact
-from fsm_kernel.workflow.loader import load_workflow
+from fsm_kernel.workflow.loader import load_workflow, load_workflow_text
 from fsm_kernel.workflow.spec import WorkflowSpec
 
 __all__ = ["Diagram", "DiagramRenderer", "LoadedWorkflow", "load_recorded", "load_stock"]
@@ -76,6 +76,27 @@ def load_recorded(
     if stock is not None and stock.spec is not None and stock.spec.content_hash == content_hash:
         return stock
     return None
+
+
+def load_recorded_text(text: str, path: str | None) -> LoadedWorkflow:
+    """The workflow text a run recorded (the definition it is pinned to, from the store), read
+    for display as if at its recorded path: no code imported, no called workflow opened."""
+    where = path or "<recorded>"
+    source = redact(text[:_MAX_SOURCE_BYTES])
+    try:
+        spec = load_workflow_text(text, path=where, import_code=False, calls=False)
+    except WorkflowError as exc:
+        return LoadedWorkflow(where, source, None, redact(str(exc)))
+    return LoadedWorkflow(where, source, spec)
+
+
+def under_roots(path: Path, roots: Sequence[Path]) -> bool:
+    """Whether `path` is a file under one of the folders the viewer serves."""
+    try:
+        real = path.resolve(strict=True)
+        return real.is_file() and any(real.is_relative_to(r.resolve()) for r in roots)
+    except (OSError, RuntimeError):  # missing, unreadable, a symlink loop
+        return False
 
 
 def _recorded_file(path: Path, content_hash: str, roots: Sequence[Path]) -> LoadedWorkflow | None:

@@ -18,6 +18,7 @@ from fsm_kernel.diagram import RunOverlay
 from fsm_kernel.errors import StoreError
 from fsm_kernel.protocol import Event, EventType, RunFilter, RunSummary
 from fsm_kernel.redact import redact, redact_data
+from fsm_kernel.replay import pinning, recorded_definition
 from fsm_kernel.scheduler import Dispatch
 from fsm_kernel.store import (
     ENDED,
@@ -33,7 +34,9 @@ from fsm_kernel.ui._diagrams import (
     DiagramRenderer,
     LoadedWorkflow,
     load_recorded,
+    load_recorded_text,
     load_stock,
+    under_roots,
 )
 from fsm_kernel.ui._dispatches import DispatchReader
 from fsm_kernel.ui._timeline import Timeline, build_timeline
@@ -177,6 +180,8 @@ class RunView:
     diagram: Diagram | None
     timeline: Timeline
     workflow_path: str | None
+    definition: str = ""
+    """Which workflow version the run is pinned to, and whether its file changed since."""
 
     @property
     def is_live(self) -> bool:
@@ -315,11 +320,16 @@ class UiReader:
         suspended = _last(events, RUN_SUSPENDED)
         overlay = RunOverlay.from_events(events)
         current = overlay.last_state if status in _LIVE else None
-        loaded = load_recorded(
-            _text(started.get("workflow_path")),
-            _text(started.get("workflow")),
-            overlay.workflow_hash or _text(started.get("workflow_hash")),
-            self.roots,
+        pinned_text = recorded_definition(events)[1]  # the text the run follows, if recorded
+        loaded = (
+            load_recorded_text(pinned_text, _text(started.get("workflow_path")))
+            if pinned_text
+            else load_recorded(
+                _text(started.get("workflow_path")),
+                _text(started.get("workflow")),
+                overlay.workflow_hash or _text(started.get("workflow_hash")),
+                self.roots,
+            )
         )
         diagram = None
         if loaded is not None and loaded.spec is not None:
@@ -350,6 +360,7 @@ class UiReader:
             diagram=diagram,
             timeline=build_timeline(events),
             workflow_path=_text(started.get("workflow_path")),
+            definition=pinning(events, may_read=lambda p: under_roots(p, self.roots))["line"],
         )
 
     def _dispatch_of(self, run_id: str) -> Dispatch | None:

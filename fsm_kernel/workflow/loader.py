@@ -330,6 +330,7 @@ def check_workflow_text(
         return WorkflowCheck(None, in_file_order(errors + _pydantic_errors(exc, locs, path), path))
     spec._path = path
     spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
+    spec._text = text
     spec._locations = locs
     errors += workflow_errors(spec, import_code=import_code)
     if calls:

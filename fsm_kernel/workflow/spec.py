@@ -752,6 +752,14 @@ class WorkflowSpec(_Model):
 
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$")
     description: str = ""
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        strict=True,
+        description="The definition's version (a positive integer). A run records the "
+        "workflow's text and follows it to its end; `runs show` says which version it is pinned "
+        "to, `resume --migrate` moves it to the current file",
+    )
     agent: AgentBlock = Field(default_factory=AgentBlock)
     system_prompt: str = "You are a careful agent. Use tools instead of guessing."
     memory: str | None = Field(
@@ -811,6 +819,7 @@ class WorkflowSpec(_Model):
 
     _path: str = PrivateAttr(default="<string>")
     _content_hash: str = PrivateAttr(default="")
+    _text: str = PrivateAttr(default="")
     _locations: dict[tuple[Any, ...], SourceLocation] = PrivateAttr(default_factory=dict)
     _parents: dict[str, str] = PrivateAttr(default_factory=dict)
     _keys: dict[str, tuple[Any, ...]] = PrivateAttr(default_factory=dict)
@@ -861,6 +870,11 @@ class WorkflowSpec(_Model):
     def content_hash(self) -> str:
         """sha256 of the file's bytes: resume refuses a changed workflow."""
         return self._content_hash
+
+    @property
+    def text(self) -> str:
+        """The file's text as loaded ("" when built in Python): run.started records it."""
+        return self._text
 
     def location(self, *keys: Any) -> SourceLocation | None:
         """Where the node at `keys` (e.g. "transitions", 3, "target") is in the file; a nested

@@ -242,16 +242,18 @@ def test_resume_refuses_a_changed_workflow_unless_forced(tmp_path: Path, servers
     workflow.write_text(workflow.read_text().replace("max_iterations: 10", "max_iterations: 5"))
     run_id = _events(store)[0].run_id
     second = servers("second", ["Fine."])
+    # The run is pinned to the text it recorded; moving it to the edited file takes --force.
     refused = subprocess.run(
-        _cli("resume", run_id, "--base-url", second.base_url, "--store", str(store)),
+        _cli("resume", run_id, "--workflow", str(workflow), "--base-url", second.base_url,
+             "--store", str(store)),
         env=_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 2  # bad input: resume it with --force
     assert "workflow changed" in refused.stderr
     assert "--force" in refused.stderr
     forced = subprocess.run(
-        _cli("resume", run_id, "--force", "--base-url", second.base_url, "--store", str(store),
-             "--json"),
+        _cli("resume", run_id, "--workflow", str(workflow), "--force", "--base-url",
+             second.base_url, "--store", str(store), "--json"),
         env=_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert forced.returncode == 0, forced.stderr
