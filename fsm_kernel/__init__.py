@@ -51,8 +51,10 @@ __all__ = [
     "__version__",
     "arun",
     "load_workflow",
+    "reads",
     "run",
     "tool",
+    "writes",
 ]
 
 _HOME = {
@@ -76,6 +78,8 @@ _HOME = {
     "WorkflowSpec": "fsm_kernel.workflow.spec",
     "load_workflow": "fsm_kernel.workflow.loader",
     "tool": "fsm_kernel.tools",
+    "reads": "fsm_kernel.workflow.variables",
+    "writes": "fsm_kernel.workflow.variables",
     "HumanAnswer": "fsm_kernel.workflow.human",
     "HumanChannel": "fsm_kernel.workflow.human",
     "Question": "fsm_kernel.workflow.human",
@@ -147,3 +151,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from fsm_kernel.workflow.human import HumanAnswer, HumanChannel, Question
     from fsm_kernel.workflow.loader import load_workflow
     from fsm_kernel.workflow.spec import TerminationReason, WorkflowSpec
+    from fsm_kernel.workflow.variables import reads, writes

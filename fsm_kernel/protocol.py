@@ -308,6 +308,8 @@ class EventType(StrEnum):
     RUN_TERMINATED = "run.terminated"
     ACTION_FAILED = "action.failed"
     """An attempt of a state's action raised and its `retry:` runs it again."""
+    VARS_ASSIGNED = "vars.assigned"
+    """An `assign:` set a declared variable: its name, value and the state or transition."""
     ERROR_CAUGHT = "error.caught"
     """A state's action failed for good and a `catch:` entry routes the run (its catch edge's
     `transition.taken` follows)."""

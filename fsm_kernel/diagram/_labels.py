@@ -108,7 +108,14 @@ def edge_label(spec: WorkflowSpec, index: int) -> str:
         parts.append(f"[{condition}]")
     if spec.ends_run(t.target):
         parts.append(f"→ {t.reason or 'final_answer'}")
+    if t.assign:  # UML's effect: [guard] / what taking the edge does
+        parts.append(f"/ {_assign_hint(t.assign)}")
     return " ".join(parts)
+
+
+def _assign_hint(assign: dict[str, str]) -> str:
+    """`attempts = vars.attempts + 1; plan = output.steps`, shortened to one hint line."""
+    return short("; ".join(f"{name} = {text}" for name, text in assign.items()), HINT_MAX)
 
 
 def short(text: str, limit: int = HINT_MAX) -> str:
@@ -154,6 +161,8 @@ def state_hints(spec: WorkflowSpec, sid: str) -> list[str]:
         lines.append(f"model: {short(state.agent.model, HINT_MAX - 7)}")
     if state.retry is not None:
         lines.append(_retry_hint(state.retry))
+    if state.assign:
+        lines.append(f"/ {_assign_hint(state.assign)}")
     return lines
 
 

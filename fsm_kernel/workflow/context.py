@@ -217,6 +217,8 @@ class RunContext:
     last_output: Any = None
     """The last reply's answer validated against its state's output schema, whichever the state
     (for guards and own actions); None when it had no schema or failed it."""
+    vars: dict[str, Any] = field(default_factory=dict)
+    """The declared variables (`variables:`), set by `assign:` and by Python actions."""
     output_error: str | None = None
     """Why the last reply failed its state's output schema (it is then malformed output)."""
     usage: Usage = field(default_factory=Usage)

@@ -576,6 +576,11 @@ class StateSpec(_Model):
         "for as JSON under it and validated; an invalid one is malformed output. Default: the "
         "workflow's `output:` where `answer` is true.",
     )
+    assign: dict[str, str] = Field(
+        default_factory=dict,
+        description="After the action: variable -> CEL expression (e.g. output.steps), each "
+        "result checked against the variable's schema and recorded (vars.assigned)",
+    )
     workflow: str | None = Field(
         default=None,
         description="For workflow.call and workflow.map: the workflow each child run runs: a "
@@ -669,6 +674,16 @@ class TransitionSpec(_Model):
     target: str
     guard: NameList = Field(default_factory=list, description="All must be true")
     unless: NameList = Field(default_factory=list, description="All must be false")
+    when: str | None = Field(
+        default=None,
+        description="A CEL expression that must hold too (beside guard and unless), e.g. "
+        "vars.attempts < 3; validate parses and type-checks it",
+    )
+    assign: dict[str, str] = Field(
+        default_factory=dict,
+        description="When the edge is taken: variable -> CEL expression, each result checked "
+        "against the variable's schema and recorded (vars.assigned)",
+    )
     reason: str | None = Field(
         default=None, description="Termination reason; required on edges into final states"
     )
@@ -707,10 +722,12 @@ class TransitionSpec(_Model):
     @property
     def is_guarded(self) -> bool:
         """It fires only when something holds: a guard, or its event or timer."""
-        return bool(self.guard or self.unless) or self.waits
+        return bool(self.guard or self.unless or self.when) or self.waits
 
     def label(self) -> str:
         parts = list(self.guard) + [f"not {name}" for name in self.unless]
+        if self.when is not None:  # in parentheses beside other guards: CEL has its own and/or
+            parts.append(f"({self.when})" if parts else self.when)
         if self.event is not None:
             parts.insert(0, f"event {self.event}")
         if self.after is not None:
@@ -812,6 +829,13 @@ class WorkflowSpec(_Model):
                 "not": {"enum": [str(r) for r in TERMINATION_REASONS]},
             }
         },
+    )
+    variables: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The run's declared data: name -> JSON Schema (with an optional "
+        "`default`, else null). Read as vars.NAME in expressions and ctx.vars in Python, set "
+        "by `assign:`; every value is checked against its schema when assigned",
+        json_schema_extra={"propertyNames": {"pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"}},
     )
     initial: str
     states: dict[str, StateSpec]

@@ -60,8 +60,10 @@ PUBLIC = [
     "__version__",
     "arun",
     "load_workflow",
+    "reads",
     "run",
     "tool",
+    "writes",
 ]
 
 

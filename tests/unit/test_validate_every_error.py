@@ -55,14 +55,14 @@ states:
   start: {action: session.observe, tool: [x]}
   end: {final: true}
 transitions:
-  - {source: start, target: end, reason: final_answer, when: has_answer}
+  - {source: start, target: end, reason: final_answer, cond: has_answer}
   - {source: start}
 """
 SCHEMA_ERRORS = [
     (2, 1, "unknown key 'colour'"),
     (4, 19, "max_iterations: Input should be greater than or equal to 0"),
     (7, 36, "unknown key 'tool'"),
-    (10, 56, "unknown key 'when'; guards are written 'guard:'"),
+    (10, 56, "unknown key 'cond'; guards are written 'guard:'"),
     (11, 5, "missing required key 'target'"),
 ]
 

@@ -155,9 +155,10 @@ def test_unknown_key_inside_a_state_points_at_the_key() -> None:
     assert _error(text) == "w.yaml:4:36: unknown key 'tool'"
 
 
-def test_when_key_gets_the_guard_hint() -> None:
-    text = MINIMAL.replace("reason: final_answer}", "reason: final_answer, when: has_answer}")
-    assert _error(text) == "w.yaml:7:56: unknown key 'when'; guards are written 'guard:'"
+def test_cond_key_gets_the_guard_hint() -> None:
+    # `when:` is a CEL expression on a transition now (see test_workflow_expressions_vars.py)
+    text = MINIMAL.replace("reason: final_answer}", "reason: final_answer, cond: has_answer}")
+    assert _error(text) == "w.yaml:7:56: unknown key 'cond'; guards are written 'guard:'"
 
 
 def test_bad_limit_value_points_at_the_value() -> None:
