@@ -632,7 +632,8 @@ def _label(event: Event) -> str:
     d = event.data
     guard = f" [{d['guard']}]" if d.get("guard") else ""
     reason = f" → {d['reason']}" if d.get("reason") else ""
-    return f"{d['source']} → {d['target']}{guard}{reason}"
+    # full paths where recorded (compound states): which state the run left and entered
+    return f"{d.get('from') or d['source']} → {d.get('to') or d['target']}{guard}{reason}"
 
 
 async def replay_run(

@@ -152,7 +152,7 @@ def _progress_line(event: Event) -> str | None:
     if event.type == EventType.RUN_RESUMED:
         return f"resuming run {event.run_id} at iteration {data.get('iteration', 0)}"
     if event.type == EventType.STATE_ENTERED:
-        return f"→ {event.state}"
+        return f"→ {event.data.get('path') or event.state}"  # research.think when nested
     if event.type == EventType.TOOL_STARTED:
         call = data["call"]
         return f"  tool {call['name']}({cut(_args(call.get('arguments')), 120)})"
