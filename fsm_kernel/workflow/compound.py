@@ -112,8 +112,7 @@ def _state_errors(spec: WorkflowSpec, sid: str) -> list[WorkflowError]:
     state = spec.states[sid]
     out: list[WorkflowError] = []
     if state.history is not None and not state.is_compound:
-        no_children = f"'history' on state {sid!r}, which has no children"
-        out.append(_fail(spec, no_children, "states", sid, "history"))
+        out.append(_fail(spec, f"'history' on state {sid!r}, which has no children", "states", sid))
     if (state.initial is None) != (state.states is None):
         has, lacks = ("initial", "states") if state.states is None else ("states", "initial")
         out.append(
@@ -233,6 +232,8 @@ def _leaf_errors(spec: WorkflowSpec, leaf: str, tried: list[int]) -> list[Workfl
             )
         ]
     if any(_always(spec, spec.transitions[i], leaf) for i in tried):
+        return []
+    if any(spec.transitions[i].waits for i in tried):  # a waiting state: it waits instead
         return []
     own = spec.transitions[tried[-1]].source == leaf
     return [

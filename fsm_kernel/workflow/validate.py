@@ -27,7 +27,6 @@ from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.compound import compound_errors, containment_edges, fallback_errors
-from fsm_kernel.workflow.expression_checks import expression_errors
 from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import (
     COMPLETED,
@@ -407,7 +406,7 @@ def _check_waits(spec: WorkflowSpec, out: Errors) -> None:
         state = spec.states.get(t.source)
         if state is None or t.source not in waiting:
             continue
-        if t.waits and state.action:
+        if t.waits and (state.action or state.is_compound):
             key = "event" if t.event is not None else "after"
             out.append(_fail(spec, _acting_source(t.source, key), "transitions", i, key))
         elif not t.waits and not t.is_guarded and not state.action:
@@ -429,9 +428,9 @@ def _bad_event(name: str) -> str:
 
 
 def _acting_source(source: str, key: str) -> str:
-    return (
+    return (  # a compound state acts through its children: it cannot wait either
         f"'{key}:' only on edges out of a state without an action (a waiting state); state "
-        f"{source!r} runs an action: wait in a state of its own after it"
+        f"{source!r} runs an action or has children: wait in a state of its own"
     )
 
 
@@ -637,7 +636,6 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     _check_parallel_flags(spec, out)
     _check_children(spec, out)
     _check_mcp(spec, out)
-    out += expression_errors(spec, import_code=import_code)
     for sid, state in spec.states.items():
         _check_catches(spec, sid, state, out)
     if import_code:

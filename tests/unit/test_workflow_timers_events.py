@@ -323,7 +323,7 @@ def test_validate_reports_every_timer_and_event_error_at_its_place() -> None:
 def _acting(state: str, key: str) -> str:
     return (
         f"'{key}:' only on edges out of a state without an action (a waiting state); state "
-        f"{state!r} runs an action: wait in a state of its own after it"
+        f"{state!r} runs an action or has children: wait in a state of its own"
     )
 
 
@@ -374,3 +374,67 @@ def test_the_harness_delivers_events_and_fires_timers_from_a_script(tmp_path: Pa
     assert waiting.status == "waiting"
     assert waiting.waiting_for is not None
     assert waiting.waiting_for["events"] == ["ci_passed"]
+
+
+NESTED = """\
+name: nested_wait
+initial: work
+states:
+  work:
+    initial: plan
+    states:
+      plan: {action: agent.think}
+      wait_ci: {}
+      ok: {final: true}
+  deploy: {action: agent.think}
+  done: {final: true}
+transitions:
+  - {source: work, target: done, guard: 'tests.unit.test_workflow_timers_events:stop',
+     reason: final_answer}
+  - {source: plan, target: wait_ci}
+  - {source: wait_ci, target: ok, event: ci_passed}
+  - {source: work, target: deploy, guard: completed}
+  - {source: deploy, target: done, reason: final_answer}
+"""
+
+
+def stop(ctx: Any) -> bool:
+    """A parent's edge: the model said stop."""
+    return ctx.answer == "stop"
+
+
+def test_a_waiting_state_inside_a_compound_state(tmp_path: Path) -> None:
+    path, clock = _workflow(tmp_path, NESTED), FakeClock()
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        stopped = asyncio.run(_kernel(path, store, clock, ["stop"]).run("ship it"))
+        first = asyncio.run(_kernel(path, store, clock, ["go"]).run("ship it"))
+        done = asyncio.run(
+            resume_run(
+                _kernel(path, store, clock, ["deployed"]),
+                store,
+                first.run_id,
+                answer=HumanAnswer.signal("ci_passed"),
+            )
+        )
+
+        assert stopped.termination_reason == "final_answer"  # the parent's edge, at once
+        assert stopped.response == "stop"
+        assert first.waiting_for is not None
+        assert (first.waiting_for["state"], first.waiting_for["events"]) == (
+            "wait_ci",
+            ["ci_passed"],
+        )
+        assert (done.termination_reason, done.response) == ("final_answer", "deployed")
+        report = asyncio.run(replay_run(compile_workflow(load_workflow(path)), store, done.run_id))
+        assert report.identical, report.to_dict()
+
+
+def test_a_compound_state_cannot_wait_itself() -> None:
+    text = NESTED.replace(
+        "  - {source: work, target: deploy, guard: completed}\n",
+        "  - {source: work, target: deploy, guard: completed}\n"
+        "  - {source: work, target: deploy, event: skip}\n",
+    )
+    errors = [str(e) for e in check_workflow_text(text, path="w.yaml").errors]
+
+    assert errors == ["w.yaml:18:43: " + _acting("work", "event")]
