@@ -100,7 +100,9 @@ def register(sub: Any) -> None:
         "not be reached or kept failing can be resumed too. A run that waits for a person "
         "(status waiting) needs its answer: --approve or --reject WHY for a tool call, "
         "--input TEXT for a question; each answer is recorded with the time and --by. "
-        "Refused when the workflow file changed, unless --force.",
+        "The run follows the workflow text it recorded, even after its file changed; "
+        "--workflow FILE moves it to another file with --force, or with --migrate once its "
+        "recorded steps replay identically under FILE (or the current file).",
     )
     p.add_argument("run_id", metavar="RUN_ID")
     g = p.add_argument_group("answer a run that waits for a person")
@@ -124,6 +126,13 @@ def register(sub: Any) -> None:
         "--force",
         action="store_true",
         help="resume even though the workflow file changed (records the new hash)",
+    )
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="move the run to the current workflow file (or --workflow) only if replaying its "
+        "recorded steps under it decides identically; else name the first divergence, exit 2, "
+        "change nothing",
     )
     add_model_flags(p, resuming=True)
     p.set_defaults(handler=cmd_resume)
@@ -466,7 +475,7 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _recorded_workflow(run: RecordedRun, override: str | None) -> str | WorkflowSpec:
+def _recorded_workflow(run: RecordedRun, override: str | WorkflowSpec | None) -> str | WorkflowSpec:
     """The workflow to go on with: --workflow if given, else the text the run recorded (it is
     pinned to it even after its file changed), else (a log from an older fsm-kernel) the file
     at the recorded path, which resume checks against the recorded hash."""
@@ -490,6 +499,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
+        if args.migrate:
+            args.workflow = _migration_target(store, run, args.workflow)
+            args.force = True  # checked: the run.resumed records the new text and version
     args.workflow = _recorded_workflow(run, args.workflow)
     # The run's recorded settings by default; the flags given here override and are recorded.
     overrides = commands.agent_options(commands.options_from_args(args))
@@ -505,6 +517,43 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return result
 
     return commands.execute(args, go)
+
+
+def _migration_target(store: EventStore, run: RecordedRun, given: str | None) -> WorkflowSpec:
+    """The current workflow file (or --workflow), once replaying the run's recorded steps
+    under it decided identically: each recorded transition, and the way the prefix ended.
+
+    Raises:
+        ResumeError: the run ended for good, or the new definition decides differently (the
+            first divergence, step and both transitions, in one line); nothing is recorded.
+    """
+    from fsm_kernel.bootstrap import load_spec
+    from fsm_kernel.errors import ResumeError
+    from fsm_kernel.replay import replay_run
+    from fsm_kernel.workflow.compiler import compile_workflow
+
+    _check_resumable(run, None)
+    path = given or run.started.data.get("workflow_path")
+    if not path:
+        raise ResumeError(f"run {run.run_id} recorded no workflow path; pass --workflow")
+    spec = load_spec(str(path))
+    report = asyncio.run(replay_run(compile_workflow(spec), store, run.run_id))
+    first = report.first_divergence
+    if first is not None:
+        raise ResumeError(
+            f"cannot migrate run {run.run_id} to {path}: at step {first.step} (iteration "
+            f"{first.iteration}) it recorded {first.recorded or '(nothing)'}, the new definition "
+            f"takes {first.replayed or '(nothing)'}; nothing was changed",
+            run_id=run.run_id,
+        )
+    if not report.identical:
+        raise ResumeError(
+            f"cannot migrate run {run.run_id} to {path}: its recorded steps ended "
+            f"{report.recorded_reason}, under the new definition {report.replayed_reason}; "
+            "nothing was changed",
+            run_id=run.run_id,
+        )
+    return spec
 
 
 def _check_resumable(run: RecordedRun, answer: HumanAnswer | None) -> None:

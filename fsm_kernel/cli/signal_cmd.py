@@ -52,18 +52,32 @@ def register(sub: Any) -> None:
         action="store_true",
         help="continue even though the workflow file changed (records the new hash)",
     )
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="move the run to the current workflow file (or --workflow) first, as resume "
+        "--migrate does: only if its recorded steps replay identically under it",
+    )
     add_model_flags(p, resuming=True)
     p.set_defaults(handler=cmd_signal)
 
 
 def cmd_signal(args: argparse.Namespace) -> int:
     from fsm_kernel.cli import commands
-    from fsm_kernel.cli.runs import _check_resumable, _open, _recorded_workflow, _settle_dispatch
+    from fsm_kernel.cli.runs import (
+        _check_resumable,
+        _migration_target,
+        _open,
+        _recorded_workflow,
+        _settle_dispatch,
+    )
     from fsm_kernel.replay import RecordedRun, check_answer
 
     answer = HumanAnswer.signal(args.name, _data(args.data), by=args.by)
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
+        if args.migrate:  # checked: the run.resumed records the new text and version
+            args.workflow, args.force = _migration_target(store, run, args.workflow), True
     args.workflow = _recorded_workflow(run, args.workflow)
     overrides = commands.agent_options(commands.options_from_args(args))
     _check_resumable(run, answer)

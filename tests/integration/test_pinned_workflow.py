@@ -156,3 +156,57 @@ def test_a_log_without_a_recorded_text_uses_the_file_checked_against_its_hash(
     assert refused.code == 2
     assert "the workflow changed since run" in refused.err
     assert "workflow_text" not in json.dumps(_events(store, run_id)[0][1])
+
+
+def test_migrate_refuses_an_edit_that_changes_a_recorded_decision(
+    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, workflow, run_id = _start(server, tmp_path, capsys)
+    before = _events(store, run_id)
+    # version 2 stops right after planning: the recorded plan → wait_for_ci would not happen
+    workflow.write_text(
+        EDITED.replace(
+            "  - {source: plan, target: wait_for_ci}\n",
+            "  - {source: plan, target: stopped, guard: has_answer, reason: rejected}\n"
+            "  - {source: plan, target: wait_for_ci}\n",
+        )
+    )
+
+    refused = cli(capsys, "resume", run_id, "--migrate", "--store", str(store))
+
+    assert refused.code == 2
+    lines = refused.err.strip().splitlines()
+    assert len(lines) == 1, refused.err
+    assert "cannot migrate run" in lines[0]
+    assert "at step 1 (iteration 1) it recorded plan → wait_for_ci" in lines[0]
+    assert "the new definition takes plan → stopped" in lines[0]
+    assert "nothing was changed" in lines[0]
+    assert _events(store, run_id) == before
+
+
+def test_migrate_moves_a_waiting_run_to_an_edit_that_keeps_its_recorded_decisions(
+    server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, workflow, run_id = _start(server, tmp_path, capsys)
+    workflow.write_text(EDITED)  # changes only what happens next: ci_passed now stops
+
+    no_event = cli(capsys, "resume", run_id, "--migrate", "--store", str(store))
+    done = cli(capsys, "signal", run_id, "ci_passed", "--migrate", "--store", str(store), "--json")
+
+    assert no_event.code == 2  # it waits for an event: resume alone cannot continue it
+    assert "waits for an event" in no_event.err
+    assert done.code == 1, done.out + done.err  # the new definition's decision
+    assert done.json()["termination_reason"] == "rejected"
+    resumed = [d for t, d in _events(store, run_id) if t == "run.resumed"]
+    assert len(resumed) == 1
+    assert (resumed[0]["forced"], resumed[0]["workflow_version"]) == (True, 2)
+    assert resumed[0]["workflow_text"] == EDITED
+    taken = [
+        (d["source"], d["target"]) for t, d in _events(store, run_id) if t == "transition.taken"
+    ]
+    assert taken == [("plan", "wait_for_ci"), ("wait_for_ci", "stopped")]
+    shown = cli(capsys, "runs", "show", run_id, "--store", str(store))
+    assert "definition: pinned to version 2" in shown.out
+    assert "the file is unchanged" in shown.out
+    replay = cli(capsys, "replay", run_id, "--store", str(store))
+    assert replay.code == 0, replay.out + replay.err  # replayed under the definition it moved to
