@@ -210,3 +210,18 @@ def test_migrate_moves_a_waiting_run_to_an_edit_that_keeps_its_recorded_decision
     assert "the file is unchanged" in shown.out
     replay = cli(capsys, "replay", run_id, "--store", str(store))
     assert replay.code == 0, replay.out + replay.err  # replayed under the definition it moved to
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "greater than or equal to 1"),
+                                                ('"2"', "valid integer")])  # fmt: skip
+def test_validate_rejects_a_version_that_is_not_a_positive_integer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    workflow = tmp_path / "bad.yaml"
+    workflow.write_text(WORKFLOW.replace("version: 1", f"version: {value}"))
+
+    checked = cli(capsys, "validate", str(workflow))
+
+    assert checked.code == 2
+    assert f"{workflow}:2:10: version: " in checked.err
+    assert message in checked.err
