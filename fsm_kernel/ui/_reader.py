@@ -319,7 +319,8 @@ class UiReader:
             status = INTERRUPTED  # no process drives it: it died before the run ended
         suspended = _last(events, RUN_SUSPENDED)
         overlay = RunOverlay.from_events(events)
-        current = overlay.last_state if status in _LIVE else None
+        # the full path inside compound states (research.think), as the run recorded it
+        current = (overlay.last_path or overlay.last_state) if status in _LIVE else None
         pinned_text = recorded_definition(events)[1]  # the text the run follows, if recorded
         loaded = (
             load_recorded_text(pinned_text, _text(started.get("workflow_path")))
