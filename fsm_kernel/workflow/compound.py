@@ -112,7 +112,8 @@ def _state_errors(spec: WorkflowSpec, sid: str) -> list[WorkflowError]:
     state = spec.states[sid]
     out: list[WorkflowError] = []
     if state.history is not None and not state.is_compound:
-        out.append(_fail(spec, f"'history' on state {sid!r}, which has no children", "states", sid))
+        no_children = f"'history' on state {sid!r}, which has no children"
+        out.append(_fail(spec, no_children, "states", sid, "history"))
     if (state.initial is None) != (state.states is None):
         has, lacks = ("initial", "states") if state.states is None else ("states", "initial")
         out.append(
