@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from fsm_kernel.protocol import EventType
 from fsm_kernel.store import SqliteEventStore
 from tests.clikit import cli
 from tests.fakes.openai_server import FakeOpenAIServer, text_reply
+from tests.integration.test_resume_replay import (  # the crash-and-resume harness
+    CRASH_WORKFLOW,
+    ScriptServer,
+    _cli,
+    _env,
+    _kill,
+    _wait_until,
+    servers,  # noqa: F401 (a fixture)
+)
+from tests.integration.test_resume_replay import _events as _events_of
 
 WORKFLOW = """\
 name: deploy_on_ci
@@ -225,3 +237,51 @@ def test_validate_rejects_a_version_that_is_not_a_positive_integer(
     assert checked.code == 2
     assert f"{workflow}:2:10: version: " in checked.err
     assert message in checked.err
+
+
+def test_migrate_moves_an_interrupted_run_and_refuses_a_changed_decision(
+    tmp_path: Path,
+    servers: Callable[[str, list[object]], ScriptServer],  # noqa: F811 (the fixture)
+) -> None:
+    store, workflow = tmp_path / "runs.db", tmp_path / "wf.yaml"
+    workflow.write_text(CRASH_WORKFLOW.read_text())
+    first = servers("first", [{"hang": 60}])
+    proc = subprocess.Popen(
+        _cli("run", str(workflow), "--prompt", "x", "--base-url", first.base_url, "--store",
+             str(store)),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    _wait_until(lambda: first.request_count() >= 1, "the first model request")
+    _kill(proc)  # interrupted in `think`, after observe → think was recorded
+    run_id = _events_of(store)[0].run_id
+    original = workflow.read_text()
+    second = servers("second", ["Fine."])
+
+    # observe now goes straight to the end: the recorded observe → think would not happen
+    workflow.write_text(
+        original.replace("version: 1\n", "").replace(
+            "  - {source: observe,  target: think}\n",
+            "  - {source: observe,  target: terminate, unless: has_answer, reason: done}\n"
+            "  - {source: observe,  target: think}\n",
+        )
+    )
+    before = len(_events_of(store))
+    refused = subprocess.run(
+        _cli("resume", run_id, "--migrate", "--base-url", second.base_url, "--store", str(store)),
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "cannot migrate run" in refused.stderr
+    assert len(_events_of(store)) == before
+
+    workflow.write_text(original.replace("max_iterations: 10", "max_iterations: 5"))
+    migrated = subprocess.run(
+        _cli("resume", run_id, "--migrate", "--base-url", second.base_url, "--store", str(store),
+             "--json"),
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stderr
+    resumed = [e.data for e in _events_of(store) if e.type == EventType.RUN_RESUMED]
+    assert resumed[-1]["forced"] is True
+    assert resumed[-1]["workflow_text"] == workflow.read_text()  # it follows the new file now
+    assert json.loads(migrated.stdout)["termination_reason"] == "final_answer"
