@@ -4,6 +4,7 @@ flat engine, the schema, and the diagrams."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from fsm_kernel.errors import WorkflowError
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import check_workflow_text, load_workflow, load_workflow_text
-from fsm_kernel.workflow.spec import WorkflowSpec
+from tests.clikit import cli
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RESEARCH = DATA / "compound_research.yaml"
@@ -242,8 +243,10 @@ def test_the_engine_is_flat_and_tries_the_parents_edges_first() -> None:
     assert engine == {"think", "act", "found", "report", "terminate"}  # no 'research'
 
 
-def test_the_schema_covers_the_new_keys() -> None:
-    schema = WorkflowSpec.model_json_schema()
+def test_the_schema_covers_the_new_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    out = cli(capsys, "schema")  # what editors get from `fsm-kernel schema`
+    assert out.code == 0
+    schema = json.loads(out.out)
     state = schema["$defs"]["StateSpec"]["properties"]
     assert {"initial", "states", "history"} <= set(state)
     assert schema["$defs"]["TransitionSpec"]["properties"]["enter"]["enum"] == [
