@@ -186,7 +186,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     config, queue, runner = _setup(args)
 
     async def go() -> CycleResult | None:
-        scheduler = Scheduler(config, queue, runner,
+        from fsm_kernel.cli.timer_wake import timer_waker
+
+        scheduler = Scheduler(config, queue, runner, wake=timer_waker(config),
                               on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
         _install_stop(scheduler.stop)
         try:

@@ -112,6 +112,7 @@ class Scheduler:
         sleep: Sleep = asyncio.sleep,
         state_file: StateFile | None = None,
         on_cycle: Callable[[CycleResult], None] | None = None,
+        wake: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         """Nothing touches the disk or the store until a cycle runs.
 
@@ -124,6 +125,8 @@ class Scheduler:
             sleep: Awaited to wait for the next tick; inject a fake in tests.
             state_file: Defaults to config.state_file.
             on_cycle: Called with every tick's result, skipped ticks included.
+            wake: Run at the start of every cycle: resumes the runs whose timer is due (a
+                waiting state's `after:`) and returns how many; its failure is logged.
         """
         self.config = config
         self.queue = queue
@@ -133,6 +136,7 @@ class Scheduler:
         self.schedule = CronSchedule(config.schedule)
         self._sleep = sleep
         self._on_cycle = on_cycle
+        self._wake = wake
         self._executor = DispatchExecutor(config, queue, runner, worker_id=self.worker_id)
         self._cycle_lock = asyncio.Lock()
         self._stop_requested = asyncio.Event()
@@ -209,12 +213,25 @@ class Scheduler:
         # Dispatches abandoned after max_attempts (or cancelled while their worker was dead)
         # are finished first, so their agents are planned afresh by this very tick.
         await asyncio.to_thread(self.queue.reap, kernel_id)
+        await self._wake_due_timers()
         active = await asyncio.to_thread(self.queue.active_per_agent, kernel_id)
         plan = plan_dispatches(self.config.agents, state, active)
         stamp = tick_key(tick).isoformat() if scheduled else f"manual:{new_id()}"
         enqueued, duplicates = await self._enqueue(plan, stamp)
         details = await self._drain() if not self.stopping else []
         return _summarize(tick, plan, enqueued, duplicates, details)
+
+    async def _wake_due_timers(self) -> None:
+        """Resume the runs whose timer is due (see `wake`); never fails the cycle."""
+        if self._wake is None:
+            return
+        try:
+            woken = await self._wake()
+        except Exception:  # the cycle's dispatches go on; the cause is logged
+            logger.exception("waking the runs whose timer is due failed")
+            return
+        if woken:
+            logger.info("%d run(s) resumed: their timer was due", woken)
 
     def _prepare_and_read_state(self) -> str:
         if not self._temps_cleaned:
