@@ -19,7 +19,7 @@ resume or a replay re-drives the run from its start. Events carry the full path 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from statemachine import StateChart
@@ -34,6 +34,7 @@ from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
 from fsm_kernel.workflow.spec import COMPLETED, CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
 from fsm_kernel.workflow.validate import EVENT_NAME
+from fsm_kernel.workflow.variables import apply_assign, initial_vars, when_guard
 
 __all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "Waits", "compile_workflow"]
 
@@ -85,6 +86,8 @@ class Machine:
     def __init__(self, compiled: CompiledWorkflow, ctx: RunContext, *, start: str | None) -> None:
         self.compiled = compiled
         self.ctx = ctx
+        for name, value in initial_vars(compiled.spec.variables).items():
+            ctx.vars.setdefault(name, value)  # a resume re-drives a fresh context from here
         self._sm: StateChart[Any] | None = None
         self._where: tuple[str, bool]
         self.last_inside: dict[str, str] = {}
@@ -137,8 +140,17 @@ class Machine:
         """`step()`, in a thread when a user's guard may run (so it cannot block the loop)."""
         if self.compiled.user_guards:
             fired: FiredTransition = await in_thread(self.step)
-            return fired
-        return self.step()
+        else:
+            fired = self.step()
+        self._assign(fired)
+        return fired
+
+    def _assign(self, fired: FiredTransition) -> None:
+        """The `assign:` of the declared transition just taken (on the loop, recorded)."""
+        spec = self.compiled.spec
+        if fired.catch is None and spec.transitions[fired.index].assign:
+            assign = spec.transitions[fired.index].assign
+            apply_assign(self.ctx, assign, spec.variables, {"transition": fired.index})
 
     def step(self) -> FiredTransition:
         """Fire the first transition out of the current state whose guards pass.
@@ -233,7 +245,9 @@ class CompiledWorkflow:
     def __init__(self, spec: WorkflowSpec) -> None:
         self.spec = spec
         self.actions: dict[str, ActionDef] = {
-            sid: resolve_action(s.action) for sid, s in spec.states.items() if s.action
+            sid: _assigning(resolve_action(s.action), spec, sid)
+            for sid, s in spec.states.items()
+            if s.action
         }
         self.outputs: dict[str, OutputSchema] = resolve_outputs(
             spec, [sid for sid, a in self.actions.items() if a.calls_model]
@@ -320,6 +334,8 @@ def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str
 
     conds = [_woken_by(index, t)] if t.waits else []
     conds += [guard(g) for g in t.guard]
+    if t.when is not None:
+        conds.append(when_guard(t.when))
     if conds:
         td["cond"] = conds
     if t.unless:
@@ -405,3 +421,17 @@ def compile_workflow(spec: WorkflowSpec) -> CompiledWorkflow:
     if compiled is None:
         compiled = _CACHE[key] = CompiledWorkflow(spec)
     return compiled
+
+
+def _assigning(action: ActionDef, spec: WorkflowSpec, sid: str) -> ActionDef:
+    """`action`, followed by its state's `assign:` (part of the action: a value that fails
+    its schema is the action's failure, retried and caught as one)."""
+    assign = spec.states[sid].assign
+    if not assign:
+        return action
+
+    async def act_then_assign(ctx: RunContext) -> None:
+        await action(ctx)
+        apply_assign(ctx, assign, spec.variables, {"state": sid})
+
+    return replace(action, fn=act_then_assign)

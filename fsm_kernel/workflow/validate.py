@@ -27,6 +27,7 @@ from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.compound import compound_errors, containment_edges, fallback_errors
+from fsm_kernel.workflow.expression_checks import expression_errors
 from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import (
     COMPLETED,
@@ -636,6 +637,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     _check_parallel_flags(spec, out)
     _check_children(spec, out)
     _check_mcp(spec, out)
+    out += expression_errors(spec, import_code=import_code)
     for sid, state in spec.states.items():
         _check_catches(spec, sid, state, out)
     if import_code:
