@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -84,8 +84,9 @@ class AnswerFailure:
     """The resume's one-line error (redacted)."""
 
 
-def parse_answer(fields: dict[str, str], waiting_kind: str) -> Answer:
-    """The answer a form carries, of the kind the run waits for."""
+def parse_answer(fields: dict[str, str], waiting_kind: str, events: Sequence[str] = ()) -> Answer:
+    """The answer a form carries, of the kind the run waits for (an event: one of `events`,
+    the ones its waiting state awaits)."""
     action = fields.get("action", "")
     if action not in _FLAGS:
         raise AnswerRejected(f"unknown answer {action[:40]!r}", 400)
@@ -96,6 +97,10 @@ def parse_answer(fields: dict[str, str], waiting_kind: str) -> Answer:
         raise AnswerRejected("the input is empty", 400)
     if action == "signal" and not _EVENT.match(answer.event):
         raise AnswerRejected("name the event to deliver", 400)
+    if action == "signal" and answer.event not in events:
+        awaited = ", ".join(events) or "no event"
+        wanted = f"event {answer.event!r} (it waits for {awaited})"
+        raise AnswerRejected(f"the run does not wait for {wanted}")
     return answer
 
 

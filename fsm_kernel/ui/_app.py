@@ -373,7 +373,7 @@ def answer_run(request: Request, fields: dict[str, str]) -> Response:
     if reader.location is None:
         return page.html(request, "error.html", 409, message="the store's location is unknown")
     try:
-        answer = parse_answer(fields, waiting.kind)
+        answer = parse_answer(fields, waiting.kind, waiting.events)
         _resumes(request).start(reader.location, view.run_id, waiting.seq, answer)
     except AnswerRejected as exc:
         return page.html(request, "error.html", exc.status, message=str(exc))

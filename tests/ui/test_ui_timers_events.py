@@ -91,8 +91,9 @@ def test_deliver_an_event_from_the_page(
 
     assert (nameless.status_code, "name the event" in nameless.text) == (400, True)
     assert wrong.status_code == 409
-    assert "waits in state 'wait_for_ci' for ci_passed, ci_forced, not event 'ci_failed'" in (
-        html_lib.unescape(wrong.text)
+    assert (
+        "the run does not wait for event 'ci_failed' (it waits for ci_passed, ci_forced)"
+        in html_lib.unescape(wrong.text)
     )
     assert (as_input.status_code, "waits for event, not input" in as_input.text) == (409, True)
     assert events(store, run_id)[-1].type is EventType.RUN_SUSPENDED  # nothing delivered

@@ -198,6 +198,7 @@ def test_event_types_are_a_stored_schema() -> None:
         "run.suspended",
         "run.terminated",
         "action.failed",
+        "vars.assigned",
         "error.caught",
         "context.trimmed",
         "child.started",
