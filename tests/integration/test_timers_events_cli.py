@@ -147,7 +147,7 @@ def test_signal_of_an_event_the_state_does_not_await_is_refused(
 def test_a_timer_fires_on_resume_after_the_process_was_killed_while_it_waited(
     server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    store, workflow = tmp_path / "runs.db", _workflow(tmp_path, after="2s")
+    store, workflow = tmp_path / "runs.db", _workflow(tmp_path, after="5s")
     server.enqueue(text_reply("planned"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsm_kernel", *_run(server, workflow, store)],
@@ -155,7 +155,7 @@ def test_a_timer_fires_on_resume_after_the_process_was_killed_while_it_waited(
     )  # fmt: skip
     try:
         run_id = _wait_for_timer(store, proc)
-        proc.send_signal(signal.SIGKILL)  # it sleeps on its 2 s timer in process: killed there
+        proc.send_signal(signal.SIGKILL)  # it sleeps on its 5 s timer in process: killed there
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -169,7 +169,7 @@ def test_a_timer_fires_on_resume_after_the_process_was_killed_while_it_waited(
     events = _events(store, run_id)
     fired = [d for t, d in events if t == "timer.fired"]
     set_ = [d for t, d in events if t == "timer.set"]
-    assert len(set_) == 1  # the recorded timer, not a new one: due 2 s after it was first set
+    assert len(set_) == 1  # the recorded timer, not a new one: due 5 s after it was first set
     assert fired == [{"edge": 2, "due": set_[0]["due"]}]
     replay = cli(capsys, "replay", run_id, "--store", str(store))
     assert replay.code == 0, replay.out + replay.err
