@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_kernel.config import DEFAULT_MAX_TOKENS
-from fsm_kernel.errors import AgentError, ConfigError, FsmKernelError
+from fsm_kernel.errors import AgentError, ConfigError, FsmKernelError, NoTransitionError
 from fsm_kernel.protocol import (
     ChatModel,
     Clock,
@@ -38,6 +38,7 @@ from fsm_kernel.workflow.actions import ANSWER_SHOWN, is_truncated, iteration_re
 from fsm_kernel.workflow.children import ChildResult, ChildRunner, take_shared_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
+from fsm_kernel.workflow.decide import undecided
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
 from fsm_kernel.workflow.output import as_json
@@ -331,6 +332,7 @@ class Kernel:
             context_window=self.spec.context,
             services=services,
             outputs=self.workflow.outputs,
+            choices=self.workflow.choices,
             session=InMemorySession(),
         )
         for message in history:
@@ -416,10 +418,25 @@ class Kernel:
         workflow/waiting.py: it may suspend the run)."""
         waits = self.workflow.waits.get(machine.state)
         if waits is None:
-            return await machine.advance()
+            return await self._step(ctx, machine)
         return await wait_and_advance(
             ctx, machine, waits, recorder.record, in_process=self.await_timers
         )
+
+    async def _step(self, ctx: RunContext, machine: Machine) -> FiredTransition:
+        """`machine.advance()`. An agent.decide state left without a pick (malformed replies
+        until the retries or another limit ran out) whose edges do not route that ends the run
+        for the limit reached: malformed_output, as agent.think's would before its next call."""
+        state = machine.state
+        try:
+            return await machine.advance()
+        except NoTransitionError:
+            if not undecided(self.spec, state, ctx):
+                raise
+            hit = limit_reached(ctx, model_call_next=True)
+            if hit is None:
+                raise
+            raise _Stop(hit.reason, hit.error) from None
 
     async def _act(self, ctx: RunContext, state: str, recorder: RunRecorder) -> None:
         """Run the action of `state`, unless a limit ends the run first (in code, whatever the

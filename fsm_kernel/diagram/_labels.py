@@ -104,6 +104,9 @@ def edge_label(spec: WorkflowSpec, index: int) -> str:
     order = _order(spec, index)
     if order is not None:
         parts.append(f"{order}.")
+    if t.choice is not None:  # the model's pick: its text, then the guards it is offered under
+        parts.append(f"“{t.choice}”")
+        condition = t.model_copy(update={"choice": None}).label()
     if condition:
         parts.append(f"[{condition}]")
     if spec.ends_run(t.target):

@@ -24,6 +24,7 @@ from fsm_kernel.testing._replies import ReplyLike, as_completion, tool_call
 from fsm_kernel.workflow.children import ChildRequest, ChildResult, ChildRunner, bounded_limits
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, compile_workflow
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.decide import decides, legal_choices
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
@@ -117,6 +118,7 @@ class WorkflowHarness:
         results = values.pop("tool_results", None)
         values["limits"] = self._limits(values.get("limits"))
         values.setdefault("tool_names", tuple(self.spec.tool_names))
+        values.setdefault("choices", self.compiled.choices)
         ctx = RunContext(**values)
         if reply is not _MISSING:
             _set_reply(ctx, reply, keep_answer="answer" in values)
@@ -134,6 +136,7 @@ class WorkflowHarness:
         context: RunContext | None = None,
         raised: BaseException | None = None,
         history: Mapping[str, str] | None = None,
+        choice: str | None = None,
         **values: Any,
     ) -> FiredTransition:
         """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
@@ -149,6 +152,12 @@ class WorkflowHarness:
         tried); `history={"research": "act"}` says where the run last was inside a compound
         state, for edges with `enter: history`. The edges of the states `state` is inside are
         tried first, as in a run; `fired.path_to` is the full path of the state entered.
+
+        In an agent.decide state, `choice="look something up"` is the model's pick: the choices
+        whose guards hold in the context are what the model would be offered, and the pick must
+        be one of them (ValueError otherwise). Without `choice=`, no choice edge fires: when
+        none is offered the state's fallback edge does, else only an edge of its own guards
+        (`malformed_output` with `malformed_reason=`, say), as after replies that never picked.
         """
         if state not in self.spec.states:
             raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
@@ -163,9 +172,36 @@ class WorkflowHarness:
             _fail_action(ctx, state, raised)
         machine = self.compiled.instantiate(ctx, start=state)
         machine.last_inside.update(history or {})
+        if decides(self.spec, state):
+            self._pick(ctx, state, choice)
+        elif choice is not None:
+            raise ValueError(f"choice= is for agent.decide states; {state!r} is not one")
         fired = machine.step()
         self._seen(fired)
         return fired
+
+    def choices(self, state: str, /, **values: Any) -> list[str]:
+        """The choices agent.decide state `state` would offer the model in a context built by
+        `context(**values)`: those whose edges' guards hold, in file order."""
+        if not decides(self.spec, state):
+            raise ValueError(f"state {state!r} does not run agent.decide")
+        ctx = self.context(**values)
+        ctx.current_state = state
+        return list(legal_choices(ctx))
+
+    def _pick(self, ctx: RunContext, state: str, choice: str | None) -> None:
+        """What agent.decide leaves in the context when the model picks `choice`."""
+        ctx.choices = self.compiled.choices
+        offered = legal_choices(ctx)
+        texts = [c.text for c in self.compiled.choices.get(state, ())]
+        if choice is not None and choice not in texts:
+            raise ValueError(f"state {state!r} has no choice {choice!r} (its choices: {texts})")
+        if choice is not None and choice not in offered:
+            raise ValueError(
+                f"choice {choice!r} is not offered here: its edge's guards do not hold "
+                f"(offered: {list(offered)})"
+            )
+        ctx.offered_choices, ctx.choice = offered, choice
 
     def _seen(self, fired: FiredTransition) -> None:
         self.fired.append(fired)
@@ -414,4 +450,5 @@ def _fired_from_event(spec: WorkflowSpec, data: Mapping[str, Any]) -> FiredTrans
         catch=data.get("catch"),
         path_from=data.get("from"),
         path_to=data.get("to"),
+        choice=data.get("choice"),
     )

@@ -31,8 +31,9 @@ from fsm_kernel.workflow.children import (
     workflow_map,
 )
 from fsm_kernel.workflow.context import RunContext, ToolCallRecord
+from fsm_kernel.workflow.decide import CHOOSE, choose_tool, legal_choices, pick_of
 from fsm_kernel.workflow.human import HumanAnswer, Question
-from fsm_kernel.workflow.limits import budget_exceeded
+from fsm_kernel.workflow.limits import budget_exceeded, limit_reached
 from fsm_kernel.workflow.window import Summary, estimate_tokens, fit, summarized, to_condense
 
 if TYPE_CHECKING:
@@ -204,6 +205,118 @@ async def agent_think(ctx: RunContext) -> None:
         EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}
     )
     apply_completion(ctx, completion, {t.name for t in offered}, await _checked(ctx, completion))
+
+
+async def agent_decide(ctx: RunContext) -> None:
+    """Let the model choose the next edge: offer it the state's `choice:` edges whose guards
+    hold, as the one tool `choose` (forced, its argument an enum of their texts), and keep its
+    pick in `ctx.choice`, which the machine's choice edges test (see workflow/decide.py).
+
+    When no choice is legal the model is not asked and the state's fallback edge fires. An
+    illegal pick is malformed output: answered with why and asked again, each reply a model
+    call and an iteration, until `limits.max_malformed_outputs` malformed replies in a row (or
+    another limit) leave it unpicked. The last reply of agent.think (`last_completion`, which
+    has_answer, has_tool_calls and tools.execute read) is left as it was."""
+    if ctx.model is None:
+        raise FsmKernelError("agent.decide needs a model, but the run has none")
+    retrying = ctx.attempt > 1  # a `retry:` of this call: same prompt, same iteration
+    ctx.choice = None
+    ctx.offered_choices = await _legal_choices(ctx)
+    if not ctx.offered_choices:
+        return
+    if ctx.state_spec.prompt and not retrying:
+        ctx.add_message(Message.user(ctx.state_spec.prompt))
+    while not await _ask_choice(ctx, retrying=retrying):
+        retrying = False
+        if limit_reached(ctx, model_call_next=True) is not None:
+            return  # malformed until the retries ran out, or another limit: no pick
+        charge_shared_calls(1, ctx)  # the kernel took the first call from a map's pool
+
+
+async def _legal_choices(ctx: RunContext) -> tuple[str, ...]:
+    """The choices whose guards hold, tested in a thread when a user's guard is among them."""
+    if any(c.user_code for c in ctx.choices.get(ctx.current_state, ())):
+        legal: tuple[str, ...] = await in_thread(legal_choices, ctx)
+        return legal
+    return legal_choices(ctx)
+
+
+async def _ask_choice(ctx: RunContext, *, retrying: bool) -> bool:
+    """One request for a pick, recorded like agent.think's; whether the reply picked."""
+    model = ctx.model
+    assert model is not None
+    offered = ctx.offered_choices
+    messages = await _within_window(ctx, ctx.messages_for_model())
+    if not retrying:
+        ctx.iteration += 1
+    requested: dict[str, Any] = {"messages": len(messages), "tools": [CHOOSE]}
+    requested["choices"] = list(offered)
+    if retrying:
+        requested["attempt"] = ctx.attempt
+    ctx.record(EventType.MODEL_REQUESTED, requested)
+    await ctx.flush()
+    started = ctx.clock.monotonic()
+    try:
+        forced: dict[str, Any] = {"tool_choice": CHOOSE}  # a keyword a ChatModel may take
+        completion = await model.complete(messages, [choose_tool(offered)], **forced)
+    except AgentError as exc:
+        ctx.record(EventType.MODEL_FAILED, {"error": exc.to_dict()})
+        raise
+    latency_ms = round((ctx.clock.monotonic() - started) * 1000, 1)
+    ctx.record(
+        EventType.MODEL_RESPONDED, {"completion": completion.to_dict(), "latency_ms": latency_ms}
+    )
+    return _take_pick(ctx, completion)
+
+
+def _take_pick(ctx: RunContext, completion: Completion) -> bool:
+    """Fold a reply to agent.decide into the run: the pick, or why it is malformed (the model
+    is told, in the conversation, as for agent.think); its iteration's record."""
+    ctx.usage = ctx.usage + completion.usage
+    ctx.session.add(completion.message)
+    pick, problem = pick_of(completion, ctx.offered_choices)
+    ctx.choice, ctx.malformed_reason = pick, problem
+    ctx.malformed_streak = 0 if problem is None else ctx.malformed_streak + 1
+    tools = _answer_pick(ctx, completion, problem)
+    chosen = [c.target for c in ctx.choices.get(ctx.current_state, ()) if c.text == pick]
+    record = iteration_record(
+        ctx.iteration,
+        "choice" if problem is None else "malformed",
+        next_state=chosen[0] if chosen else ctx.current_state,
+        tools=tools,
+        error=problem,
+    )
+    record["choice"] = pick
+    ctx.record(EventType.ITERATION_COMPLETED, record)
+    ctx.notes.recorded_iteration = ctx.iteration  # the kernel's next record is the next one
+    return pick is not None
+
+
+def _answer_pick(ctx: RunContext, completion: Completion, problem: str | None) -> list[Any]:
+    """Answer each call of the reply (the pick taken, or why not and what to pick from), or a
+    text reply with a user message; the calls as the iteration's record lists them."""
+    listed = "; ".join(json.dumps(text, ensure_ascii=False) for text in ctx.offered_choices)
+    said = f"chosen: {ctx.choice}"
+    if problem is not None:
+        said = f"error: not accepted: {problem}. Call {CHOOSE} again with one of: {listed}"
+    calls = completion.message.tool_calls
+    if not calls:
+        ask = f"Your reply was not accepted: {problem}. Call {CHOOSE} with one of: {listed}"
+        ctx.add_message(Message.user(ask))
+    tools = []
+    for call in calls:
+        result = ToolResult(content=said, is_error=problem is not None)
+        ctx.add_message(Message.tool(call, result))
+        tools.append(
+            {
+                "id": call.id,
+                "name": call.name,
+                "input": call.arguments,
+                "output": said[:200],
+                "is_error": result.is_error,
+            }
+        )
+    return tools
 
 
 async def _checked(ctx: RunContext, completion: Completion) -> ReplyCheck | None:
@@ -560,6 +673,7 @@ async def human_input(ctx: RunContext) -> None:
 BUILTIN_ACTIONS: dict[str, ActionDef] = {
     "session.observe": ActionDef("session.observe", session_observe),
     "agent.think": ActionDef("agent.think", agent_think, calls_model=True),
+    "agent.decide": ActionDef("agent.decide", agent_decide, calls_model=True),
     "tools.execute": ActionDef("tools.execute", tools_execute),
     "kernel.evaluate": ActionDef("kernel.evaluate", kernel_evaluate),
     "human.input": ActionDef("human.input", human_input),

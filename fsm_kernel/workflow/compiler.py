@@ -30,6 +30,7 @@ from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.compound import edges_tried, final_child_of, history_entry, leaves
 from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.decide import Choice, compile_choices
 from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
 from fsm_kernel.workflow.spec import COMPLETED, CatchEdge, StateSpec, TransitionSpec, WorkflowSpec
@@ -60,6 +61,8 @@ class FiredTransition:
     (research.think), whichever state inside it the edge was declared on."""
     path_to: str | None = None
     """... and of the state it entered (research.think when the edge targets research)."""
+    choice: str | None = None
+    """For a `choice:` edge: its text, the model's pick (out of an agent.decide state)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -73,6 +76,8 @@ class FiredTransition:
             data["catch"] = self.catch
         if self.path_to is not None:
             data["from"], data["to"] = self.path_from, self.path_to
+        if self.choice is not None:
+            data["choice"] = self.choice
         return data
 
 
@@ -196,7 +201,7 @@ class Machine:
             )
         t = spec.transitions[index]
         return FiredTransition(
-            index, t.source, t.target, t.label(), t.reason, self.is_final, **paths
+            index, t.source, t.target, t.label(), t.reason, self.is_final, **paths, choice=t.choice
         )
 
     def _send(self, source: str) -> int:
@@ -253,6 +258,8 @@ class CompiledWorkflow:
             spec, [sid for sid, a in self.actions.items() if a.calls_model]
         )
         states = _state_definitions(spec)
+        self.choices: dict[str, tuple[Choice, ...]] = compile_choices(spec, states)
+        """Each agent.decide state's choices (its choice edges now pass when picked)."""
         self.user_guards = any(t.has_user_guard for t in spec.transitions)
         self.on_fire: dict[int, Callable[[RunContext], None]] = {}
         """Each transition's `on` callback (by index), run when a decision is taken again."""

@@ -18,6 +18,7 @@ Pure functions of the WorkflowSpec: validate.py and compiler.py both use them.
 from __future__ import annotations
 
 from fsm_kernel.errors import WorkflowError, WorkflowValidationError
+from fsm_kernel.workflow.decide import decides
 from fsm_kernel.workflow.spec import COMPLETED, TransitionSpec, WorkflowSpec
 
 __all__ = [
@@ -50,8 +51,8 @@ def final_child_of(spec: WorkflowSpec, leaf: str, compound: str) -> bool:
 
 def _always(spec: WorkflowSpec, t: TransitionSpec, leaf: str) -> bool:
     """The edge fires whenever it is tried in `leaf`."""
-    if not t.is_guarded:
-        return True
+    if not t.is_guarded:  # but an agent.decide state's only when no choice is offered
+        return not decides(spec, t.source)
     return t.guard == [COMPLETED] and not t.unless and final_child_of(spec, leaf, t.source)
 
 
@@ -232,8 +233,8 @@ def _leaf_errors(spec: WorkflowSpec, leaf: str, tried: list[int]) -> list[Workfl
                 spec, f"state {leaf!r} has no transition out of it{hint}", "states", leaf, "<key>"
             )
         ]
-    if any(_always(spec, spec.transitions[i], leaf) for i in tried):
-        return []
+    if any(_always(spec, spec.transitions[i], leaf) for i in tried) or decides(spec, leaf):
+        return []  # an agent.decide state needs no fallback while a choice is always offered
     if any(spec.transitions[i].waits for i in tried):  # a waiting state: it waits instead
         return []
     own = spec.transitions[tried[-1]].source == leaf

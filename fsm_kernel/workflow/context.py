@@ -31,6 +31,7 @@ from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 
 if TYPE_CHECKING:
     from fsm_kernel.workflow.children import ChildResult, ChildRunner
+    from fsm_kernel.workflow.decide import Choice
     from fsm_kernel.workflow.output import OutputSchema
     from fsm_kernel.workflow.window import Summary
 
@@ -185,6 +186,8 @@ class RunContext:
     services: RunServices = field(default_factory=RunServices)
     outputs: Mapping[str, OutputSchema] = field(default_factory=dict)
     """The output schema of each state that has one (see `output_schema`)."""
+    choices: Mapping[str, Sequence[Choice]] = field(default_factory=dict)
+    """The `choice:` edges of each agent.decide state, with their guards (workflow/decide.py)."""
 
     # -- the run's state --
     session: Session = field(default_factory=InMemorySession)
@@ -247,6 +250,12 @@ class RunContext:
     attempt: int = 1
     """The attempt of the running action: 2 and up when a state's `retry:` runs it again
     (agent.think then neither re-adds the state's prompt nor counts a new iteration)."""
+    offered_choices: tuple[str, ...] = ()
+    """The choices the last agent.decide state offered the model: those whose edges' guards
+    held (empty: none did, and the model was not asked)."""
+    choice: str | None = None
+    """The choice the model picked there; None when it picked none (none was offered, or its
+    replies were malformed until `limits.max_malformed_outputs`)."""
     notes: KernelNotes = field(default_factory=KernelNotes, repr=False)
 
     @property

@@ -703,11 +703,22 @@ class TransitionSpec(_Model):
         description="Fires once the run has waited this long in the source state: a number and "
         "a unit, s, m, h or d (90s, 30m, 2h, 1d); only out of a state without an action",
     )
+    choice: str | None = Field(
+        default=None,
+        description="Out of an agent.decide state: the text of this choice, offered to the "
+        "model when the edge's guards hold; the edge fires when the model picks it (unique per "
+        "state)",
+    )
 
     @property
     def waits(self) -> bool:
         """An edge that fires on a named event or a timer (its source is a waiting state)."""
         return self.event is not None or self.after is not None
+
+    @property
+    def is_choice(self) -> bool:
+        """An edge the model picks (`choice:`, out of an agent.decide state)."""
+        return self.choice is not None
 
     @property
     def after_seconds(self) -> float | None:
@@ -722,7 +733,7 @@ class TransitionSpec(_Model):
     @property
     def is_guarded(self) -> bool:
         """It fires only when something holds: a guard, or its event or timer."""
-        return bool(self.guard or self.unless or self.when) or self.waits
+        return bool(self.guard or self.unless or self.when) or self.waits or self.is_choice
 
     def label(self) -> str:
         parts = list(self.guard) + [f"not {name}" for name in self.unless]
@@ -732,6 +743,8 @@ class TransitionSpec(_Model):
             parts.insert(0, f"event {self.event}")
         if self.after is not None:
             parts.insert(0, f"after {self.after}")
+        if self.choice is not None:
+            parts.insert(0, f'choice "{self.choice}"')
         return " and ".join(parts)
 
 

@@ -27,6 +27,7 @@ from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.compound import compound_errors, containment_edges, fallback_errors
+from fsm_kernel.workflow.decide import decide_errors, decides
 from fsm_kernel.workflow.expression_checks import expression_errors
 from fsm_kernel.workflow.output import OutputError, OutputSchema
 from fsm_kernel.workflow.spec import (
@@ -533,7 +534,7 @@ def _check_fallbacks(spec: WorkflowSpec, out: Errors) -> None:
         out.extend(fallback_errors(spec))
         return
     for sid, state in spec.states.items():
-        if state.final:
+        if state.final or decides(spec, sid):  # an agent.decide state's: see decide_errors
             continue
         outgoing = spec.transitions_from(sid)
         if not outgoing:
@@ -632,6 +633,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     _check_names(spec, out)
     _check_reasons(spec, out)
     out.extend(compound_errors(spec))
+    out.extend(decide_errors(spec))
     _check_transitions(spec, out)
     _check_waits(spec, out)
     _check_parallel_flags(spec, out)
