@@ -732,7 +732,8 @@ class TransitionSpec(_Model):
 
     @property
     def is_guarded(self) -> bool:
-        """It fires only when something holds: a guard, or its event or timer."""
+        """It fires only when something holds: a guard, its event or timer, or the model's pick
+        (a `choice:` edge)."""
         return bool(self.guard or self.unless or self.when) or self.waits or self.is_choice
 
     def label(self) -> str:

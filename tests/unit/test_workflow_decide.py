@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from fsm_kernel.testing import (
     calls,
 )
 from fsm_kernel.workflow.compiler import compile_workflow
+from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.decide import choose_tool, pick_of
 from fsm_kernel.workflow.loader import check_workflow_text, load_workflow_text
 from fsm_kernel.workflow.spec import WorkflowSpec
@@ -51,6 +53,15 @@ transitions:
   - {source: act, target: answer}
   - {source: answer, target: terminate, reason: final_answer}
 """
+
+
+GUARD_THREADS: list[int] = []
+
+
+def notes_taken(ctx: RunContext) -> bool:
+    """A user's guard: it must run off the event loop's thread."""
+    GUARD_THREADS.append(threading.get_ident())
+    return bool(ctx.scratch.get("notes"))
 
 
 def offered(tools: tuple[Tool, ...]) -> list[str]:
@@ -391,3 +402,39 @@ def test_a_choice_with_quotes_draws_valid_dot() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "say &quot;hi&quot;; then: go" in proc.stdout
     assert 'route --> research : 1. “say "hi", then — go”' in to_mermaid(spec)
+
+
+def test_the_readme_example_offers_write_only_after_a_model_call() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### agent.decide: edges the model chooses")[1]
+    block = section.split("```yaml\n")[1].split("```")[0]
+    harness = WorkflowHarness(load_workflow_text("name: readme\n" + block, path="README.md"))
+
+    assert harness.choices("route") == [LOOK]  # when: "iteration > 0" is false at first
+    assert harness.choices("route", iteration=2) == [LOOK, WRITE]
+    model = ScriptedChatModel(
+        [call("choose", {"choice": LOOK}), "Paris.", call("choose", {"choice": WRITE}), "Paris."]
+    )
+    result = harness.run("Capital of France?", model=model)
+    assert result.termination_reason == "final_answer"
+    assert [offered(r.tools) for r in model.requests if r.tools] == [[LOOK], [LOOK, WRITE]]
+
+
+def test_a_users_guard_on_a_choice_is_tested_off_the_loop() -> None:
+    text = ROUTE.read_text(encoding="utf-8").replace(
+        "guard: has_answer}", "guard: tests.unit.test_workflow_decide:notes_taken}"
+    )
+    harness = WorkflowHarness(load_workflow_text(text, path="user.yaml"))
+    assert harness.choices("route", scratch={"notes": True}) == [LOOK, WRITE]
+    GUARD_THREADS.clear()
+    model = ScriptedChatModel([call("choose", {"choice": LOOK}), "Paris.", "x"])
+    loop_threads: list[int] = []
+
+    async def run() -> None:
+        loop_threads.append(threading.get_ident())
+        await harness.arun("Capital of France?", model=model, limits={"max_iterations": 2})
+
+    asyncio.run(run())
+    assert GUARD_THREADS
+    assert loop_threads[0] not in GUARD_THREADS
+    assert offered(model.requests[0].tools) == [LOOK]  # scratch has no notes: not offered
