@@ -16,6 +16,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -313,3 +314,51 @@ def test_a_worker_killed_holding_a_batch_loses_nothing_and_runs_nothing_twice(
     starts = sorted((worker, agent) for _, kind, agent, worker in fleet.events() if kind == "start")
     agents = [f"agent{i}" for i in range(3)]
     assert starts == [*[("doomed", a) for a in agents], *[("rescuer", a) for a in agents]]
+
+
+def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: Path) -> None:
+    from fsm_kernel.scheduler import SqliteDispatchQueue
+
+    class CountingQueue(SqliteDispatchQueue):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.claims: list[int] = []
+            self.completions: list[int] = []
+
+        def claim_batch(self, *args: Any, **kwargs: Any) -> Any:
+            claimed = super().claim_batch(*args, **kwargs)
+            self.claims.append(len(claimed))
+            return claimed
+
+        def complete_batch(self, completions: Any, **kwargs: Any) -> Any:
+            self.completions.append(len(completions))
+            return super().complete_batch(completions, **kwargs)
+
+    store = str(tmp_path / "queue.db")
+    queue = CountingQueue(store)
+    queue.ensure_schema()
+    enqueue(queue, 20)
+    config = fleet_config(store, 20, max_concurrent=5, lease=30)
+    ran: list[str] = []
+
+    async def runner(agent: AgentSpec, prompt: str) -> RunOutcome:
+        ran.append(agent.agent_id)
+        return RunOutcome(ok=True)
+
+    async def scenario() -> None:
+        worker = Worker(config, queue, runner, concurrency=5, poll_seconds=0.01)
+        task = asyncio.create_task(worker.run())
+        await until(lambda: sum(queue.completions) == 20, "every outcome recorded")
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(scenario())
+        rows = queue.list(KERNEL, 100)
+    finally:
+        queue.close()
+    assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
+    assert all(d.status is DispatchStatus.DONE for d in rows)
+    assert [n for n in queue.claims if n][:4] == [5, 5, 5, 5]  # the free slots, each time
+    assert len(queue.completions) <= 8  # 20 outcomes, recorded a batch at a time
+    assert max(queue.completions) >= 3
