@@ -3,7 +3,9 @@ between them (placeholders, timestamp columns, a few functions, the notification
 sends), and `SqlDispatchQueue` runs every operation the two adapters do alike through the hooks a
 backend supplies: its connection for reads, for single writes and for transactions, each
 translating its driver's errors. A backend keeps its connection handling, its locking and its
-claim (SQLite's two statements under BEGIN IMMEDIATE, PostgreSQL's server-side function).
+claim of a batch (SQLite's three statements under BEGIN IMMEDIATE, PostgreSQL's server-side
+function); `complete_batch` is written here once (a transaction of fenced updates), and
+PostgreSQL replaces it with one statement over arrays.
 
 Imports no database driver; the backends (sqlite_queue.py, pg_queue.py) do.
 """

@@ -4,10 +4,13 @@ Claims: the fleet-wide `max_concurrent` cannot be enforced by SKIP LOCKED alone 
 count does not see rows another claimer is locking), so each claim first takes a
 transaction-level advisory lock keyed on the kernel id: claims of one kernel are serialised, and
 under READ COMMITTED the claim statement's snapshot is taken after the previous claimer
-committed. The lock, the claim and the commit run in one server-side function
-(fsm_kernel_claim_dispatch, created with the table), so the lock is held for the server's work
-only, never across a round trip; the claim reads partial indexes over pending and running rows,
-so its cost does not grow with the finished history.
+committed. The lock, the count of live leases, the claim of up to `limit` rows (no more than
+the cap leaves; FOR UPDATE SKIP LOCKED) and the commit run in one server-side function
+(fsm_kernel_claim_dispatches, created with the table), so the lock is held for the server's
+work only, never across a round trip, once per batch; the claim reads partial indexes over
+pending and running rows, so its cost does not grow with the finished history. Outcomes are
+recorded a batch per statement (`complete_batch`) on a second connection, so a worker's next
+claim does not wait behind them.
 
 Wake-ups: enqueue, the end of a dispatch and a cancel request NOTIFY channel
 `fsm_kernel_dispatch` (sent at commit); a worker's `PostgresDispatchListener` LISTENs on its own
