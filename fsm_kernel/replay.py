@@ -850,6 +850,8 @@ def recorded_definition(events: Sequence[Event]) -> tuple[str | None, str | None
     for e in events:
         if e.type not in (EventType.RUN_STARTED, EventType.RUN_RESUMED):
             continue
+        if e.type == EventType.RUN_RESUMED and "workflow_hash" not in e.data:
+            continue  # a resume that recorded no definition (older logs) kept the run's own
         recorded, new = e.data.get("workflow_text"), e.data.get("workflow_hash")
         if isinstance(recorded, str) and recorded:
             text, version = recorded, e.data.get("workflow_version")
