@@ -154,6 +154,25 @@ def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> No
     )
 
 
+def add_resume_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of commands that continue a recorded run (`resume`, `signal`): which workflow
+    it goes on under, and the model settings that may be overridden."""
+    p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="continue even though the workflow file changed (records the new hash)",
+    )
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="move the run to the current workflow file (or --workflow) only if replaying its "
+        "recorded steps under it decides identically; else name the first divergence, exit 2, "
+        "change nothing",
+    )
+    add_model_flags(p, resuming=True)
+
+
 def _add_run(sub: Any) -> None:
     p = sub.add_parser(
         "run",

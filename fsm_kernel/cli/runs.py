@@ -37,7 +37,7 @@ def _store_flag(p: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     """Add the event-log subcommands."""
-    from fsm_kernel.cli.commands import add_model_flags
+    from fsm_kernel.cli.commands import add_resume_flags
 
     runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
@@ -121,20 +121,7 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help="who answers, recorded with the answer (default: the USER environment variable)",
     )
-    p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="resume even though the workflow file changed (records the new hash)",
-    )
-    p.add_argument(
-        "--migrate",
-        action="store_true",
-        help="move the run to the current workflow file (or --workflow) only if replaying its "
-        "recorded steps under it decides identically; else name the first divergence, exit 2, "
-        "change nothing",
-    )
-    add_model_flags(p, resuming=True)
+    add_resume_flags(p)
     p.set_defaults(handler=cmd_resume)
 
     p = sub.add_parser(

@@ -22,7 +22,7 @@ __all__ = ["cmd_signal", "register"]
 
 def register(sub: Any) -> None:
     """Add the `signal` subcommand."""
-    from fsm_kernel.cli.commands import add_model_flags
+    from fsm_kernel.cli.commands import add_resume_flags
 
     p = sub.add_parser(
         "signal",
@@ -46,19 +46,7 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help="who sends it, recorded with the event (default: the USER environment variable)",
     )
-    p.add_argument("--workflow", help="workflow file to use (default: the one the run recorded)")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="continue even though the workflow file changed (records the new hash)",
-    )
-    p.add_argument(
-        "--migrate",
-        action="store_true",
-        help="move the run to the current workflow file (or --workflow) first, as resume "
-        "--migrate does: only if its recorded steps replay identically under it",
-    )
-    add_model_flags(p, resuming=True)
+    add_resume_flags(p)
     p.set_defaults(handler=cmd_signal)
 
 
