@@ -17,6 +17,8 @@ from fsm_kernel.protocol import Event, EventStore, EventType, RunFilter, RunSumm
 from fsm_kernel.workflow.human import HumanAnswer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fsm_kernel.api import Agent
     from fsm_kernel.kernel import RunResult
     from fsm_kernel.replay import RecordedRun
@@ -481,6 +483,13 @@ def _recorded_workflow(run: RecordedRun, override: str | WorkflowSpec | None) ->
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    return continue_run(args, lambda: _answer(args))
+
+
+def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer | None]) -> int:
+    """Continue a recorded run (`resume`, `signal`) with the answer `answer_of` gives: on the
+    definition it recorded, or the one --workflow/--migrate moves it to, with the recorded
+    settings that the flags given override (and are recorded)."""
     from fsm_kernel.cli import commands
     from fsm_kernel.replay import RecordedRun, check_answer
 
@@ -490,17 +499,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
             args.workflow = _migration_target(store, run, args.workflow)
             args.force = True  # checked: the run.resumed records the new text and version
     args.workflow = _recorded_workflow(run, args.workflow)
-    # The run's recorded settings by default; the flags given here override and are recorded.
     overrides = commands.agent_options(commands.options_from_args(args))
-    answer = _answer(args)
+    answer = answer_of()
     _check_resumable(run, answer)  # the same refusal with an answer or without (exit 2)
     check_answer(run, answer)  # a one-line usage error before anything is built
-    store = args.store or default_store_location()
+    location = args.store or default_store_location()
 
     async def go(agent: Agent) -> RunResult:
         result = await agent.resume(run.run_id, force=args.force, answer=answer, **overrides)
         if result.status == "ended":  # a scheduler dispatch that waited on it is done now
-            await asyncio.to_thread(_settle_dispatch, store, result)
+            await asyncio.to_thread(_settle_dispatch, location, result)
         return result
 
     return commands.execute(args, go)

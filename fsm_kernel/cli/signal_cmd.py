@@ -5,17 +5,11 @@ process, as `resume --approve` does for an approval."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fsm_kernel.config import default_store_location
 from fsm_kernel.errors import AnswerError
 from fsm_kernel.workflow.human import HumanAnswer
-
-if TYPE_CHECKING:
-    from fsm_kernel.api import Agent
-    from fsm_kernel.kernel import RunResult
 
 __all__ = ["cmd_signal", "register"]
 
@@ -51,34 +45,10 @@ def register(sub: Any) -> None:
 
 
 def cmd_signal(args: argparse.Namespace) -> int:
-    from fsm_kernel.cli import commands
-    from fsm_kernel.cli.runs import (
-        _check_resumable,
-        _migration_target,
-        _open,
-        _recorded_workflow,
-        _settle_dispatch,
-    )
-    from fsm_kernel.replay import RecordedRun, check_answer
+    from fsm_kernel.cli.runs import continue_run
 
     answer = HumanAnswer.signal(args.name, _data(args.data), by=args.by)
-    with _open(args) as store:
-        run = RecordedRun.load(store, args.run_id)
-        if args.migrate:  # checked: the run.resumed records the new text and version
-            args.workflow, args.force = _migration_target(store, run, args.workflow), True
-    args.workflow = _recorded_workflow(run, args.workflow)
-    overrides = commands.agent_options(commands.options_from_args(args))
-    _check_resumable(run, answer)
-    check_answer(run, answer)  # a one-line usage error before anything is built
-    location = args.store or default_store_location()
-
-    async def go(agent: Agent) -> RunResult:
-        result = await agent.resume(run.run_id, force=args.force, answer=answer, **overrides)
-        if result.status == "ended":  # a scheduler dispatch that waited on it is done now
-            await asyncio.to_thread(_settle_dispatch, location, result)
-        return result
-
-    return commands.execute(args, go)
+    return continue_run(args, lambda: answer)
 
 
 def _data(text: str | None) -> Any:
