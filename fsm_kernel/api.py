@@ -46,6 +46,7 @@ from fsm_kernel.replay import (
     RecordedRun,
     ReplayReport,
     check_answer,
+    migration_check,
     recorded_conversation,
     replay_run,
     resume_run,
@@ -362,6 +363,7 @@ class Agent:
         *,
         force: bool = False,
         answer: HumanAnswer | None = None,
+        migrate: bool = False,
         **overrides: Any,
     ) -> RunResult:
         """Continue a run recorded in the agent's store (killed, ended by a model server that
@@ -373,6 +375,11 @@ class Agent:
         `HumanAnswer.approve(call=result.waiting_for["tool_call"])` binds it to the call you
         saw, so it is refused if the run now asks about another one.
 
+        The run goes on under the definition it is pinned to (the workflow text it recorded),
+        unless `force` (go on under this agent's workflow, unchecked) or `migrate`: move it to
+        this agent's workflow once replaying its recorded steps under it decides identically,
+        with the states renamed as its `migrations:` declare (see `migration_check`).
+
         Raises:
             ConfigError: the agent has no store, or an unknown override.
             AnswerError: a waiting run without its answer, the wrong kind of answer, or an
@@ -381,12 +388,19 @@ class Agent:
         """
         store = self._require_store("resume")
         run = RecordedRun.load(store, run_id)
+        moving = await migration_check(store, run.run_id, self.spec) if migrate else None
         answer = check_answer(run, answer)  # before building anything
         given = _options(overrides)
         kernel = self._kernel(given.over(recorded_options(run.config())))
         await attach_mcp(kernel, self.spec, self._mcp)
         return await resume_run(
-            kernel, store, run.run_id, force=force, overrides=given.given(), answer=answer
+            kernel,
+            store,
+            run.run_id,
+            force=force or migrate,
+            overrides=given.given(),
+            answer=answer,
+            migrating=moving,
         )
 
     async def signal(
@@ -397,12 +411,13 @@ class Agent:
         *,
         by: str | None = None,
         force: bool = False,
+        migrate: bool = False,
         **overrides: Any,
     ) -> RunResult:
         """Deliver the event `name` (with its JSON `data`: guards read `ctx.event`, templates
         `{event.data.KEY}`) to a run waiting in a state whose edges carry `event: NAME`, and
-        continue it (as `resume` does; `force` and `overrides` as there). To fire a due timer,
-        `resume(run_id)` without an answer.
+        continue it (as `resume` does; `force`, `migrate` and `overrides` as there). To fire a
+        due timer, `resume(run_id)` without an answer.
 
         Raises:
             AnswerError: the run does not wait for this event, or its timer is already due
@@ -410,7 +425,7 @@ class Agent:
             RunNotFoundError, ResumeError, RunLockedError: as for `resume`.
         """
         answer = HumanAnswer.signal(name, data, by=by)
-        return await self.resume(run_id, force=force, answer=answer, **overrides)
+        return await self.resume(run_id, force=force, answer=answer, migrate=migrate, **overrides)
 
     async def replay(self, run_id: str) -> ReplayReport:
         """Re-run a recorded run from its log (no model, no tools) and compare its steps."""

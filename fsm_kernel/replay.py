@@ -44,9 +44,10 @@ from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.children import CallPool, ChildRequest, ChildResult, draw_on
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
-from fsm_kernel.workflow.loader import find_workflow, load_workflow
+from fsm_kernel.workflow.loader import find_workflow, load_workflow, load_workflow_text
+from fsm_kernel.workflow.migrations import Translation, translate_log, translation_between
 from fsm_kernel.workflow.output import as_json
-from fsm_kernel.workflow.spec import Limits
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec
 
 __all__ = [
     "RecordedChatModel",
@@ -55,6 +56,7 @@ __all__ = [
     "ReplayChildren",
     "ReplayReport",
     "ReplayStep",
+    "migration_check",
     "recorded_conversation",
     "replay_run",
     "resume_run",
@@ -198,9 +200,13 @@ class RecordedRun:
     """The ids of its child runs (workflow.call, workflow.map), in the order it started them."""
 
     @classmethod
-    def load(cls, store: EventStore, run_id: str) -> RecordedRun:
+    def load(
+        cls, store: EventStore, run_id: str, *, migrating: Translation | None = None
+    ) -> RecordedRun:
+        """The run's log, read under the definition it follows now (the translations of the
+        migrations it went through applied; `migrating`, one about to be made, on top)."""
         run_id = store.find_run(run_id)
-        events = store.read(run_id)
+        events = translate_log(store.read(run_id), migrating)
         if not events or events[0].type != EventType.RUN_STARTED:
             raise RunNotFoundError(f"run {run_id} has no run.started event", run_id=run_id)
         run = cls(run_id, events, events[0], None)
@@ -330,6 +336,7 @@ async def resume_run(
     force: bool = False,
     overrides: Mapping[str, Any] | None = None,
     answer: HumanAnswer | None = None,
+    migrating: Translation | None = None,
 ) -> RunResult:
     """Continue a run from its last recorded step: one that was killed, one that ended
     because the model server could not be reached or kept failing (a resumable `agent_error`),
@@ -337,6 +344,8 @@ async def resume_run(
 
     Build `kernel` from the run's recorded settings (`RecordedRun.config`); `overrides` (what the
     caller changed, e.g. the flags given to `fsm-kernel resume`) are recorded in `run.resumed`.
+    `migrating` (see `migration_check`) moves the run onto `kernel`'s definition under new state
+    names and edge numbers; it is recorded in `run.resumed`, so later reads translate the log.
 
     Raises:
         RunNotFoundError: no such run.
@@ -347,7 +356,13 @@ async def resume_run(
     """
     with store.lock_run(store.find_run(run_id)):  # before reading: two resumes cannot both start
         return await _resume_locked(
-            kernel, store, run_id, force=force, overrides=overrides or {}, answer=answer
+            kernel,
+            store,
+            run_id,
+            force=force,
+            overrides=overrides or {},
+            answer=answer,
+            migrating=migrating,
         )
 
 
@@ -484,8 +499,9 @@ async def _resume_locked(
     force: bool,
     overrides: Mapping[str, Any],
     answer: HumanAnswer | None,
+    migrating: Translation | None = None,
 ) -> RunResult:
-    run = RecordedRun.load(store, run_id)
+    run = RecordedRun.load(store, run_id, migrating=migrating)
     if not run.resumable:
         reason = run.terminated.data.get("reason") if run.terminated else None
         raise ResumeError(
@@ -521,6 +537,7 @@ async def _resume_locked(
         if reopened is not None
         else ("waiting" if run.waiting_for is not None else None),
         "rerun_tool_calls": sorted(run.unfinished),
+        "translation": migrating.to_dict() if migrating else None,
         "iteration": max((e.iteration for e in run.events), default=0),
     }
     watchers = (kernel.on_event,) if kernel.on_event is not None else ()
@@ -556,6 +573,49 @@ async def _resume_locked(
     recorder.state = machine.state
     recorder.record(EventType.STATE_ENTERED, machine.entered_data())
     return await kernel.drive(ctx, machine, recorder)
+
+
+async def migration_check(
+    store: EventStore, run_id: str, new: WorkflowSpec, *, where: str | None = None
+) -> Translation:
+    """Whether run `run_id` may move to the definition `new`: replaying its recorded steps
+    under `new` (its old state ids renamed as `new`'s `migrations:` declare, its edges matched
+    to `new`'s) decides each recorded transition, and the way its prefix ended, identically.
+    Returns the translation to resume it with (`resume_run(..., migrating=)`).
+
+    Raises:
+        ResumeError: the run ended for good, or `new` decides differently: the first
+            divergence (step and both transitions) in one line; nothing is recorded.
+    """
+    run = RecordedRun.load(store, run_id)
+    name = where or new.path
+    if not run.resumable:
+        reason = run.terminated.data.get("reason") if run.terminated else None
+        raise ResumeError(
+            f"run {run.run_id} already terminated ({reason}); only a run that is waiting, was "
+            "interrupted, or ended on a model server that failed can be migrated",
+            run_id=run.run_id,
+        )
+    text = run.definition[1]
+    old = load_workflow_text(text, path=name, import_code=False, calls=False) if text else None
+    move = translation_between(old, new) if old is not None else Translation()
+    report = await replay_run(compile_workflow(new), store, run.run_id, migrating=move)
+    first = report.first_divergence
+    if first is not None:
+        raise ResumeError(
+            f"cannot migrate run {run.run_id} to {name}: at step {first.step} (iteration "
+            f"{first.iteration}) it recorded {first.recorded or '(nothing)'}, the new definition "
+            f"takes {first.replayed or '(nothing)'}; nothing was changed",
+            run_id=run.run_id,
+        )
+    if not report.identical:
+        raise ResumeError(
+            f"cannot migrate run {run.run_id} to {name}: its recorded steps ended "
+            f"{report.recorded_reason}, under the new definition {report.replayed_reason}; "
+            "nothing was changed",
+            run_id=run.run_id,
+        )
+    return move
 
 
 @dataclass(frozen=True)
@@ -642,13 +702,15 @@ async def replay_run(
     run_id: str,
     *,
     limits: Limits | None = None,
+    migrating: Translation | None = None,
 ) -> ReplayReport:
     """Re-run `workflow` on the recorded answers (no model, no tools) and compare transitions.
 
     `limits` default to the ones the run last ran under (its log), so the replay reproduces it;
     a what-if with an edited workflow passes that workflow's own. Its child runs are replayed
-    too, each with the workflow its log names (`report.children`)."""
-    report, _ = await _replay(workflow, store, run_id, limits)
+    too, each with the workflow its log names (`report.children`). `migrating` reads the log
+    under a migration's new state names and edge numbers (see `migration_check`)."""
+    report, _ = await _replay(workflow, store, run_id, limits, migrating)
     return report
 
 
@@ -685,9 +747,13 @@ class ReplayChildren:
 
 
 async def _replay(
-    workflow: CompiledWorkflow, store: EventStore, run_id: str, limits: Limits | None
+    workflow: CompiledWorkflow,
+    store: EventStore,
+    run_id: str,
+    limits: Limits | None,
+    migrating: Translation | None = None,
 ) -> tuple[ReplayReport, RunResult]:
-    run = RecordedRun.load(store, run_id)
+    run = RecordedRun.load(store, run_id, migrating=migrating)
     children = ReplayChildren(store)
     model = RecordedChatModel(run.completions, failure=_recorded_failure(run))
     config = run.config()

@@ -439,6 +439,25 @@ class ReasonSpec(_Model):
     description: str = Field(default="", description="What the reason means, for readers")
 
 
+class MigrationSpec(_Model):
+    """How runs pinned to an older version of this workflow map onto this one, for
+    `resume --migrate`: the states renamed since that version (old id -> new id)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    from_version: int = Field(
+        alias="from",
+        ge=1,
+        strict=True,
+        description="The version this entry moves runs from; entries apply in order from a "
+        "run's recorded version up to this file's",
+    )
+    rename_states: dict[str, str] = Field(
+        default_factory=dict,
+        description="State ids renamed since that version: old id -> id in this file",
+    )
+
+
 ErrorKind = Literal["agent_error", "error", "any"]
 """Which failures of a state's action a `retry:` or `catch:` entry handles: `agent_error` (the
 model server failed after the client's own retries: AgentError), `error` (anything else the
@@ -790,6 +809,12 @@ class WorkflowSpec(_Model):
         description="The definition's version (a positive integer). A run records the "
         "workflow's text and follows it to its end; `runs show` says which version it is pinned "
         "to, `resume --migrate` moves it to the current file",
+    )
+    migrations: list[MigrationSpec] = Field(
+        default_factory=list,
+        description="How runs pinned to older versions map onto this one for `resume "
+        "--migrate`: e.g. [{from: 1, rename_states: {investigate: research}}]. A migrated run "
+        "must still decide every recorded step identically, under the new names",
     )
     agent: AgentBlock = Field(default_factory=AgentBlock)
     system_prompt: str = "You are a careful agent. Use tools instead of guessing."

@@ -137,6 +137,38 @@ def _check_reasons(spec: WorkflowSpec, out: Errors) -> None:
             )
 
 
+def _check_migrations(spec: WorkflowSpec, out: Errors) -> None:
+    """`migrations:` need the file's `version:`, each from an older version, and rename old
+    ids (no longer states here) to states of this file."""
+    if spec.migrations and spec.version is None:
+        out.append(_fail(spec, "migrations: need the workflow's own 'version:'", "migrations"))
+    for i, entry in enumerate(spec.migrations):
+        if spec.version is not None and entry.from_version >= spec.version:
+            out.append(
+                _fail(
+                    spec,
+                    f"a migration moves runs from an older version: from {entry.from_version} "
+                    f"is not below this file's version {spec.version}",
+                    "migrations", i, "from",
+                )
+            )  # fmt: skip
+        for old, new in entry.rename_states.items():
+            where = ("migrations", i, "rename_states", old)
+            if new not in spec.states:
+                message = f"rename_states: {old} -> {new}: no state {new!r} in this file"
+                out.append(_fail(spec, message, *where))
+            if old in spec.states:
+                out.append(
+                    _fail(
+                        spec,
+                        f"rename_states: {old!r} is still a state of this file; a renamed "
+                        "state's old id must be gone",
+                        *where,
+                        "<key>",
+                    )
+                )
+
+
 def _check_refs(spec: WorkflowSpec, out: Errors) -> dict[str, bool]:
     """Actions and guards resolve. Returns whether each state's action calls the model, for
     the states whose action resolved (False for a state without one)."""
@@ -632,6 +664,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     out: Errors = []
     _check_names(spec, out)
     _check_reasons(spec, out)
+    _check_migrations(spec, out)
     out.extend(compound_errors(spec))
     out.extend(decide_errors(spec))
     _check_transitions(spec, out)
