@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import fields
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,7 +30,8 @@ from fsm_kernel.workflow.decide import decides, legal_choices
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
 from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
-from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+from fsm_kernel.workflow.spec import Limits, WorkflowSpec, parse_duration
+from fsm_kernel.workflow.waiting import AWAIT_IN_PROCESS
 
 __all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness", "declared_transitions"]
 
@@ -137,6 +140,9 @@ class WorkflowHarness:
         raised: BaseException | None = None,
         history: Mapping[str, str] | None = None,
         choice: str | None = None,
+        event: str | None = None,
+        data: Any = None,
+        elapsed: float | str | None = None,
         **values: Any,
     ) -> FiredTransition:
         """Put a fresh machine in `state` with a context (`context=`, or built by `context()`
@@ -158,6 +164,12 @@ class WorkflowHarness:
         be one of them (ValueError otherwise). Without `choice=`, no choice edge fires: when
         none is offered the state's fallback edge does, else only an edge of its own guards
         (`malformed_output` with `malformed_reason=`, say), as after replies that never picked.
+
+        In a waiting state (no action; `event:`/`after:` edges), `event="ci_passed"` (with its
+        JSON `data=`, read by guards and templates as `event.data`) is the event delivered, and
+        `elapsed=1800` (seconds, or "30m") is how long the run has waited: the earliest timer
+        due by then fires, as a fake clock moved on that far would make it. Without either, only
+        the state's guarded edges that need no event are tried (what it does before it waits).
         """
         if state not in self.spec.states:
             raise ValueError(f"unknown state {state!r} (states: {', '.join(self.spec.states)})")
@@ -176,9 +188,37 @@ class WorkflowHarness:
             self._pick(ctx, state, choice)
         elif choice is not None:
             raise ValueError(f"choice= is for agent.decide states; {state!r} is not one")
+        self._wake(ctx, state, event, data, elapsed)
         fired = machine.step()
         self._seen(fired)
         return fired
+
+    def _wake(
+        self, ctx: RunContext, state: str, event: str | None, data: Any, elapsed: float | str | None
+    ) -> None:
+        """What delivering `event`, or waiting `elapsed`, leaves in the context (see step)."""
+        if event is None and elapsed is None:
+            return
+        if event is not None and elapsed is not None:
+            raise TypeError("give event= or elapsed=, not both: one wakes a waiting state")
+        waits = self.compiled.waits.get(state)
+        if waits is None:
+            raise ValueError(f"state {state!r} does not wait: it has an action or no event/timer")
+        if event is not None:
+            if event not in waits.events:
+                awaited = ", ".join(waits.events) or "no event"
+                raise ValueError(f"state {state!r} waits for {awaited}, not event {event!r}")
+            ctx.event = {"name": event, "data": data}
+            ctx.notes.trigger = ("event", event)
+            return
+        seconds = _seconds(elapsed)
+        due = sorted((after, edge) for edge, after in waits.timers if after <= seconds)
+        if not due:
+            timers = ", ".join(f"{after:g} s" for _, after in waits.timers) or "none"
+            raise ValueError(
+                f"no timer of state {state!r} is due after {seconds:g} s (its timers: {timers})"
+            )
+        ctx.notes.trigger = ("timer", due[0][1])
 
     def choices(self, state: str, /, **values: Any) -> list[str]:
         """The choices agent.decide state `state` would offer the model in a context built by
@@ -234,6 +274,7 @@ class WorkflowHarness:
         human: HumanChannel | None = None,
         state_models: Mapping[str, ChatModel] | None = None,
         children: ChildRunner | None = None,
+        fire_timers: bool = False,
     ) -> RunResult:
         """Run the whole workflow through the real Kernel (sync; see `arun` in async code).
 
@@ -254,8 +295,14 @@ class WorkflowHarness:
                 real runs of the called workflows through the Kernel, asking the same `model`,
                 with the same tools, workspace, store and `human`, one after another in the
                 order they start).
+            fire_timers: True: in a waiting state, once `human` has no event left to
+                deliver, the earliest `after:` timer fires at once, on a fake clock moved on by
+                its duration (timer.set and timer.fired are recorded as in a real run). False
+                (default): a timer due in more than a minute suspends the run, as in production.
 
-        A state's `retry:` runs its action again at once: the backoff is not waited for.
+        Events are delivered by `human`: `ScriptedHuman([HumanAnswer.signal("ci_passed",
+        {"sha": "abc"})])`. A state's `retry:` runs its action again at once: the backoff is not
+        waited for (nor a timer).
 
         Raises:
             AssertionError: a ScriptedChatModel ran out of replies during the run
@@ -273,6 +320,7 @@ class WorkflowHarness:
                 human=human,
                 state_models=state_models,
                 children=children,
+                fire_timers=fire_timers,
             )
         )
 
@@ -289,6 +337,7 @@ class WorkflowHarness:
         human: HumanChannel | None = None,
         state_models: Mapping[str, ChatModel] | None = None,
         children: ChildRunner | None = None,
+        fire_timers: bool = False,
     ) -> RunResult:
         """`run` for async code (same arguments)."""
         spec = self.spec
@@ -296,6 +345,7 @@ class WorkflowHarness:
             registry, offered, approval = _build_tools(spec, tools, root)
             if children is None:
                 children = _HarnessChildren(model, tools, root, store, human)
+            clock = _TestClock()
             kernel = Kernel(
                 compile_workflow(spec),
                 model=model,
@@ -307,7 +357,9 @@ class WorkflowHarness:
                 human=human,
                 approval_required=approval,
                 state_models=state_models,
-                sleep=_no_wait,  # a test does not wait out a retry's backoff
+                sleep=clock.sleep,  # a test waits out neither a retry's backoff nor a timer
+                clock=clock,
+                await_timers=math.inf if fire_timers else AWAIT_IN_PROCESS,
                 children=children,
             )
             result = await kernel.run(prompt)
@@ -378,6 +430,25 @@ async def _no_wait(_seconds: float) -> None:
     return None
 
 
+class _TestClock:
+    """Wall time that starts now and moves on only when the run sleeps (a retry's backoff, a
+    timer it waits for), by as long as it sleeps, at once."""
+
+    def __init__(self) -> None:
+        self._now = datetime.now(UTC)
+        self._mono = 0.0
+
+    def now(self) -> datetime:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    async def sleep(self, seconds: float) -> None:
+        self._now += timedelta(seconds=max(seconds, 0.0))
+        self._mono += max(seconds, 0.0)
+
+
 def declared_transitions(spec: WorkflowSpec) -> list[DeclaredTransition]:
     """The declared transitions of `spec`, in file order, then its catch edges."""
     declared = [
@@ -389,6 +460,16 @@ def declared_transitions(spec: WorkflowSpec) -> list[DeclaredTransition]:
         for c in spec.catch_edges()
     ]
     return declared
+
+
+def _seconds(elapsed: float | str | None) -> float:
+    """`elapsed=` in seconds: a number, or a duration such as "30m" (as `after:` takes)."""
+    if isinstance(elapsed, int | float) and not isinstance(elapsed, bool):
+        return float(elapsed)
+    seconds = parse_duration(str(elapsed))
+    if seconds is None:
+        raise ValueError(f"elapsed={elapsed!r} is not a duration (seconds, or e.g. '30m')")
+    return seconds
 
 
 def _fail_action(ctx: RunContext, state: str, raised: BaseException) -> None:

@@ -343,11 +343,23 @@ def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str
     conds += [guard(g) for g in t.guard]
     if t.when is not None:
         conds.append(when_guard(t.when))
-    if conds:
-        td["cond"] = conds
+    if conds:  # one callable: the engine evaluates every cond of a list, this stops early
+        td["cond"] = [_all_of(conds)]
     if t.unless:
         td["unless"] = [guard(g) for g in t.unless]
     return td
+
+
+def _all_of(conds: list[Callable[[RunContext], bool]]) -> Callable[[RunContext], bool]:
+    """The conds of an edge in order, stopping at the first that fails: an `event:` edge's
+    `when:` reading `event.data` is not evaluated while a timer wakes the state."""
+    if len(conds) == 1:
+        return conds[0]
+
+    def all_hold(model: RunContext) -> bool:
+        return all(cond(model) for cond in conds)
+
+    return all_hold
 
 
 def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
