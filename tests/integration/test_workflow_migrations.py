@@ -107,7 +107,8 @@ def test_translation_renames_states_and_renumbers_edges() -> None:
 
     move = translation_between(old, new)
 
-    assert move.state("plan") == "planning" and move.state("wait_for_ci") == "await_ci"
+    assert move.state("plan") == "planning"
+    assert move.state("wait_for_ci") == "await_ci"
     assert move.state("deploy") == "deploy"
     assert dict(move.edges) == {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
     assert move.to_dict() == {
