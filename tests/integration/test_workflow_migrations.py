@@ -178,8 +178,9 @@ def test_an_undeclared_rename_is_refused_and_nothing_recorded(
     before = _events(store, run_id)
     workflow.write_text(V2.replace("wait_for_ci: await_ci", "wait_for_ci: deploy_gate"))
     workflow.write_text(
-        V2.replace("  - {from: 1, rename_states: {plan: planning, wait_for_ci: await_ci}}\n", "")
-        .replace("migrations:\n", "")
+        V2.replace(
+            "  - {from: 1, rename_states: {plan: planning, wait_for_ci: await_ci}}\n", ""
+        ).replace("migrations:\n", "")
     )
 
     refused = cli(capsys, "signal", run_id, "ci_passed", "--migrate", "--store", str(store))
