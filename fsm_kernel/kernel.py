@@ -38,13 +38,19 @@ from fsm_kernel.workflow.actions import ANSWER_SHOWN, is_truncated, iteration_re
 from fsm_kernel.workflow.children import ChildResult, ChildRunner, take_shared_call
 from fsm_kernel.workflow.compiler import CompiledWorkflow, FiredTransition, Machine
 from fsm_kernel.workflow.context import RunContext, RunServices, Sleep, ToolCallRecord
+from fsm_kernel.workflow.deadlines import (
+    RecordedDeadlines,
+    due_deadline,
+    enter_and_leave,
+    pending_deadlines,
+)
 from fsm_kernel.workflow.decide import undecided
 from fsm_kernel.workflow.human import HumanChannel, OffTheClock, Suspended, SuspendingChannel
 from fsm_kernel.workflow.limits import limit_reached
 from fsm_kernel.workflow.output import as_json
 from fsm_kernel.workflow.recovery import run_action
 from fsm_kernel.workflow.spec import SUCCESS_REASONS, Limits, TerminationReason, as_reason
-from fsm_kernel.workflow.waiting import AWAIT_IN_PROCESS, wait_and_advance
+from fsm_kernel.workflow.waiting import AWAIT_IN_PROCESS, advance_past_deadline, wait_and_advance
 
 __all__ = ["Kernel", "RunResult", "Watcher", "current_run_id"]
 
@@ -225,6 +231,7 @@ class Kernel:
         limits: Limits | None = None,
         parent_run_id: str | None = None,
         recorded_children: Sequence[str] = (),
+        recorded_deadlines: RecordedDeadlines | None = None,
     ) -> RunResult:
         """Run the workflow on `prompt` until it terminates; never raises for run failures
         (ConfigError, before anything is recorded, for a prompt, a system prompt or a history
@@ -237,7 +244,8 @@ class Kernel:
         names (recorded in `run.started`, so resume and replay rebuild it from that run's log;
         without `continues`, `run.started` records the messages themselves). `limits` replace
         the kernel's for this run (a child run's, bounded by its parent's); `parent_run_id`
-        links a child run to its parent (in `run.started`); `recorded_children` is for replays.
+        links a child run to its parent (in `run.started`); `recorded_children` and
+        `recorded_deadlines` are for replays.
         """
         run_id = run_id or new_id()
         limits = limits or self.limits
@@ -263,6 +271,7 @@ class Kernel:
                 history=history,
                 limits=limits,
                 recorded_children=recorded_children,
+                recorded_deadlines=recorded_deadlines,
             )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
@@ -293,6 +302,7 @@ class Kernel:
         history: Sequence[Message] = (),
         limits: Limits | None = None,
         recorded_children: Sequence[str] = (),
+        recorded_deadlines: RecordedDeadlines | None = None,
     ) -> RunContext:
         """A fresh context whose session holds the conversation it continues (`history`) and the
         user's prompt, with this run's collaborators
@@ -319,6 +329,7 @@ class Kernel:
             recorded_failures=recorded_failures or {},
             children=self.children,
             recorded_children=recorded_children,
+            recorded_deadlines=recorded_deadlines,
         )
         ctx = RunContext(
             run_id=run_id,
@@ -389,14 +400,18 @@ class Kernel:
         self, ctx: RunContext, machine: Machine, recorder: RunRecorder
     ) -> TerminationReason | str:
         transitions = 0
+        deadlines = self.workflow.deadlines
+        enter_and_leave(ctx, self.spec, deadlines, recorder.record, now_in=machine.state)
         while not machine.is_final:
             state = machine.state
             await self._act(ctx, state, recorder)
-            fired = await self._advance(ctx, machine, recorder)
+            fired = await self._advance(ctx, machine, recorder, transitions)
             _check_deadline(ctx)
             transitions += 1
             recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
             recorder.state = machine.state  # inside a compound target: where it entered
+            enter_and_leave(ctx, self.spec, deadlines, recorder.record, now_in=machine.state,
+                            target=fired.target, fired=fired.index)  # fmt: skip
             if fired.final:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
             recorder.record(EventType.STATE_ENTERED, machine.entered_data())
@@ -412,16 +427,20 @@ class Kernel:
         return TerminationReason.FINAL_ANSWER
 
     async def _advance(
-        self, ctx: RunContext, machine: Machine, recorder: RunRecorder
+        self, ctx: RunContext, machine: Machine, recorder: RunRecorder, step: int
     ) -> FiredTransition:
-        """The next transition; a waiting state's once its event or timer comes (see
+        """The next transition (the `step`-th): a compound state's deadline's once it is due
+        (workflow/deadlines.py); a waiting state's once its event or timer comes (see
         workflow/waiting.py: it may suspend the run)."""
         waits = self.workflow.waits.get(machine.state)
-        if waits is None:
-            return await self._step(ctx, machine)
-        return await wait_and_advance(
-            ctx, machine, waits, recorder.record, in_process=self.await_timers
-        )
+        if waits is not None:
+            return await wait_and_advance(ctx, machine, waits, recorder.record,
+                                          in_process=self.await_timers,
+                                          deadlines=pending_deadlines(ctx))  # fmt: skip
+        deadline = due_deadline(ctx, step)
+        if deadline is not None:
+            return await advance_past_deadline(ctx, machine, deadline, recorder.record, step)
+        return await self._step(ctx, machine)
 
     async def _step(self, ctx: RunContext, machine: Machine) -> FiredTransition:
         """`machine.advance()`. An agent.decide state left without a pick (malformed replies

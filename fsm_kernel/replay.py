@@ -43,6 +43,7 @@ from fsm_kernel.protocol import (
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.workflow.children import CallPool, ChildRequest, ChildResult, draw_on
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
+from fsm_kernel.workflow.deadlines import recorded_deadlines
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
 from fsm_kernel.workflow.loader import find_workflow, load_workflow, load_workflow_text
 from fsm_kernel.workflow.migrations import Translation, translate_log, translation_between
@@ -236,7 +237,9 @@ class RecordedRun:
             self.answers.append(HumanAnswer.from_dict(e.data))
         elif e.type == EventType.EVENT_DELIVERED:  # answers too: served in order on a re-drive
             self.answers.append(HumanAnswer.from_dict({"kind": "event", **e.data}))
-        elif e.type == EventType.TIMER_FIRED:
+        elif e.type == EventType.TIMER_FIRED and e.data.get("step") is None:
+            # a waiting state's timer (a compound state's deadline fired between steps: its
+            # `step` places it, see recorded_deadlines)
             self.answers.append(HumanAnswer.timer_fired(int(e.data["edge"])))
         elif e.type == EventType.RUN_SUSPENDED:
             self.waiting_for = dict(e.data.get("waiting_for") or {})
@@ -568,6 +571,7 @@ async def _resume_locked(
         recorded_failures=run.action_failures,
         history=run.history(store),
         recorded_children=run.children,
+        recorded_deadlines=recorded_deadlines(run.events),
     )
     machine = kernel.workflow.instantiate(ctx)
     recorder.state = machine.state
@@ -780,6 +784,7 @@ async def _replay(
         continues=run.continues,
         parent_run_id=run.parent_run_id,
         recorded_children=run.children,
+        recorded_deadlines=recorded_deadlines(run.events),
     )
     replayed = [e for e in result.events if e.type == EventType.TRANSITION_TAKEN]
     recorded = run.transitions()

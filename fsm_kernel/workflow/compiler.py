@@ -30,6 +30,7 @@ from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.compound import edges_tried, final_child_of, history_entry, leaves
 from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.deadlines import deadline_edges
 from fsm_kernel.workflow.decide import Choice, compile_choices
 from fsm_kernel.workflow.output import OutputSchema, resolve_outputs
 from fsm_kernel.workflow.recovery import catch_matches, take_failure
@@ -234,8 +235,8 @@ def _waits(spec: WorkflowSpec) -> dict[str, Waits]:
     out: dict[str, Waits] = {}
     for sid, state in spec.states.items():
         edges = [(i, t) for i, t in enumerate(spec.transitions) if t.source == sid]
-        if state.action or not any(t.waits for _, t in edges):
-            continue
+        if state.action or state.is_compound or not any(t.waits for _, t in edges):
+            continue  # a compound state's `after:` is a deadline (deadlines.py), not a wait
         events = tuple(dict.fromkeys(t.event for _, t in edges if t.event is not None))
         timers = tuple((i, t.after_seconds) for i, t in edges if t.after_seconds is not None)
         outer = set(spec.ancestors(sid))  # the compound states around it: their edges first
@@ -278,6 +279,8 @@ class CompiledWorkflow:
                 )
         self.waits: dict[str, Waits] = _waits(spec)
         """The waiting states (no action; edges on events or timers) and what they wait for."""
+        self.deadlines = deadline_edges(spec)
+        """The compound states with `after:` edges, and those edges (see deadlines.py)."""
         self.decisions: dict[tuple[str, tuple[bool, ...]], int] = {}
         """(state, its guards' values) → the transition the engine fired for them."""
         self.machine_class = _build_class(spec, states)  # after: the factory consumes `states`

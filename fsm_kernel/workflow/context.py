@@ -31,6 +31,7 @@ from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 
 if TYPE_CHECKING:
     from fsm_kernel.workflow.children import ChildResult, ChildRunner
+    from fsm_kernel.workflow.deadlines import Deadline, RecordedDeadlines
     from fsm_kernel.workflow.decide import Choice
     from fsm_kernel.workflow.output import OutputSchema
     from fsm_kernel.workflow.window import Summary
@@ -133,6 +134,8 @@ class RunServices:
     """Runs the child runs of `workflow.call` / `workflow.map` states."""
     recorded_children: Sequence[str] = ()
     """A re-driven run's child run ids, in the order it started them (`child.started`)."""
+    recorded_deadlines: RecordedDeadlines | None = None
+    """A re-driven run's compound-state deadlines: where they fired (see deadlines.py)."""
 
     def model_for(self, state: str) -> ChatModel | None:
         """The model the calls of `state` go to."""
@@ -161,6 +164,8 @@ class KernelNotes:
     trigger: tuple[str, str | int] | None = None
     """What a waiting state is woken by, while its edges are tried: ("event", name) or
     ("timer", edge index); None otherwise (its event and timer edges do not pass)."""
+    deadlines: dict[str, list[Deadline]] = field(default_factory=dict)
+    """The `after:` timers of the compound states the run is inside, by state (deadlines.py)."""
 
 
 @dataclass(eq=False, kw_only=True)

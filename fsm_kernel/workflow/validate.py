@@ -440,7 +440,11 @@ def _check_waits(spec: WorkflowSpec, out: Errors) -> None:
         state = spec.states.get(t.source)
         if state is None or t.source not in waiting:
             continue
-        if t.waits and (state.action or state.is_compound):
+        if state.is_compound:  # `after:` is its deadline (deadlines.py); it never waits itself
+            if t.event is not None:
+                out.append(_fail(spec, _compound_event(t.source), "transitions", i, "event"))
+            continue
+        if t.waits and state.action:
             key = "event" if t.event is not None else "after"
             out.append(_fail(spec, _acting_source(t.source, key), "transitions", i, key))
         elif not t.waits and not t.is_guarded and not state.action:
@@ -462,9 +466,16 @@ def _bad_event(name: str) -> str:
 
 
 def _acting_source(source: str, key: str) -> str:
-    return (  # a compound state acts through its children: it cannot wait either
+    return (
         f"'{key}:' only on edges out of a state without an action (a waiting state); state "
-        f"{source!r} runs an action or has children: wait in a state of its own"
+        f"{source!r} runs an action: wait in a state of its own"
+    )
+
+
+def _compound_event(source: str) -> str:
+    return (  # a compound state acts through its children: only they wait for events
+        f"'event:' only on edges out of a waiting state; {source!r} has children: put the "
+        "event edge on the child that waits (an 'after:' on a compound state is its deadline)"
     )
 
 

@@ -28,9 +28,10 @@ from fsm_kernel.errors import AnswerError, NoTransitionError
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.workflow.compiler import FiredTransition, Machine, Waits
 from fsm_kernel.workflow.context import RunContext
+from fsm_kernel.workflow.deadlines import Deadline
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
-__all__ = ["AWAIT_IN_PROCESS", "Record", "Timer", "wait_and_advance"]
+__all__ = ["AWAIT_IN_PROCESS", "Record", "Timer", "advance_past_deadline", "wait_and_advance"]
 
 AWAIT_IN_PROCESS = 60.0
 """Seconds: a timer due within this is awaited in process instead of suspending the run."""
@@ -54,16 +55,19 @@ async def wait_and_advance(
     record: Record,
     *,
     in_process: float = AWAIT_IN_PROCESS,
+    deadlines: Sequence[Deadline] = (),
 ) -> FiredTransition:
     """Take the waiting state's way out: a guarded edge that passes at once, else the edge of
     the first event delivered (or timer fired) whose guards pass. An event whose edges' guards
-    all fail is recorded and dropped; the run goes on waiting."""
+    all fail is recorded and dropped; the run goes on waiting. `deadlines` (of the compound
+    states it is inside, already set) are waited for too; they are not the state's to cancel."""
     if waits.guarded:
         try:
             return await machine.advance()  # its event and timer edges do not pass yet
         except NoTransitionError:
             pass
-    timers = _set_timers(ctx, waits, record)
+    own = _set_timers(ctx, waits, record)
+    timers = own + [Timer(d.edge, d.due) for d in deadlines]
     while True:
         question = Question(
             kind="event", state=machine.state, events=waits.events, due=_earliest_due(timers)
@@ -78,9 +82,24 @@ async def wait_and_advance(
             continue  # no edge's guards passed: the event is dropped, the state still waits
         finally:
             ctx.notes.trigger = None
-        for timer in timers:  # the state is left: its other timers never fire
-            record(EventType.TIMER_CANCELLED, {"edge": timer.edge})
+        for timer in own:  # the state is left: its other timers never fire
+            if timer in timers:
+                record(EventType.TIMER_CANCELLED, {"edge": timer.edge})
         return fired
+
+
+async def advance_past_deadline(
+    ctx: RunContext, machine: Machine, deadline: Deadline, record: Record, step: int
+) -> FiredTransition:
+    """Leave the current state by the edge of a compound state's deadline that is due (see
+    deadlines.py), recorded with the step it fired at, so a re-drive fires it there again."""
+    due = deadline.due.isoformat()
+    record(EventType.TIMER_FIRED, {"edge": deadline.edge, "due": due, "step": step})
+    ctx.notes.trigger = ("timer", deadline.edge)
+    try:
+        return await machine.advance()
+    finally:
+        ctx.notes.trigger = None
 
 
 def _set_timers(ctx: RunContext, waits: Waits, record: Record) -> list[Timer]:

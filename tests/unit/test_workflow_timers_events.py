@@ -323,7 +323,7 @@ def test_validate_reports_every_timer_and_event_error_at_its_place() -> None:
 def _acting(state: str, key: str) -> str:
     return (
         f"'{key}:' only on edges out of a state without an action (a waiting state); state "
-        f"{state!r} runs an action or has children: wait in a state of its own"
+        f"{state!r} runs an action: wait in a state of its own"
     )
 
 
@@ -437,4 +437,7 @@ def test_a_compound_state_cannot_wait_itself() -> None:
     )
     errors = [str(e) for e in check_workflow_text(text, path="w.yaml").errors]
 
-    assert errors == ["w.yaml:18:43: " + _acting("work", "event")]
+    assert errors == [
+        "w.yaml:18:43: 'event:' only on edges out of a waiting state; 'work' has children: put "
+        "the event edge on the child that waits (an 'after:' on a compound state is its deadline)"
+    ]
