@@ -34,6 +34,7 @@ from fsm_kernel.workflow.context import RunContext, ToolCallRecord
 from fsm_kernel.workflow.decide import CHOOSE, choose_tool, legal_choices, pick_of
 from fsm_kernel.workflow.human import HumanAnswer, Question
 from fsm_kernel.workflow.limits import budget_exceeded, limit_reached
+from fsm_kernel.workflow.spec import COMPLETED
 from fsm_kernel.workflow.window import Summary, estimate_tokens, fit, summarized, to_condense
 
 if TYPE_CHECKING:
@@ -787,7 +788,7 @@ def resolve_guard(name: str) -> Callable[[RunContext], bool]:
     if name in BUILTIN_GUARDS:
         return BUILTIN_GUARDS[name]
     if ":" not in name:
-        known = ", ".join(sorted(BUILTIN_GUARDS))
+        known = ", ".join(sorted([*BUILTIN_GUARDS, COMPLETED]))  # completed: the compiler's
         raise RefError(f"unknown guard {name!r} (built-in: {known}; or package.module:function)")
     fn: Callable[[RunContext], bool] = resolve_ref(name)
     return fn

@@ -257,13 +257,20 @@ def _syntax_error(exc: yaml.MarkedYAMLError, path: str) -> WorkflowSyntaxError:
     return error
 
 
+_EXTRA_KEY_HINTS = {
+    "on": "; guards are written 'guard:'",
+    "cond": "; guards are written 'guard:'",
+    "when": "; 'when:' (a guard expression) goes on a transition, not on a state",
+}
+"""Keys people write by habit (python-statemachine's `cond`, XState's `on`) and what to write."""
+
+
 def _pydantic_message(err: Any) -> str:
     loc = err["loc"]
     kind = err["type"]
     field = str(loc[-1]) if loc else "workflow"
     if kind == "extra_forbidden":
-        hint = "; guards are written 'guard:'" if field in {"on", "when", "cond"} else ""
-        return f"unknown key {field!r}{hint}"
+        return f"unknown key {field!r}{_EXTRA_KEY_HINTS.get(field, '')}"
     if kind == "missing":
         return f"missing required key {field!r}"
     return f"{field}: {err['msg']}"

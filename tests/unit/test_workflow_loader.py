@@ -161,6 +161,23 @@ def test_cond_key_gets_the_guard_hint() -> None:
     assert _error(text) == "w.yaml:7:56: unknown key 'cond'; guards are written 'guard:'"
 
 
+def test_when_on_a_state_says_it_belongs_on_a_transition() -> None:
+    text = MINIMAL.replace("{action: session.observe}", "{action: session.observe, when: x}")
+    assert _error(text) == (
+        "w.yaml:4:36: unknown key 'when'; 'when:' (a guard expression) goes on a transition, "
+        "not on a state"
+    )
+
+
+def test_an_unknown_guard_lists_completed_among_the_built_in_ones() -> None:
+    text = MINIMAL.replace("reason: final_answer}", "reason: final_answer, guard: complete}")
+    with pytest.raises(WorkflowError) as info:
+        load_workflow_text(text, path="w.yaml")
+    (error,) = [str(e) for e in info.value.errors if "unknown guard" in str(e)]
+    assert "unknown guard 'complete' (built-in: " in error
+    assert ", completed, " in error
+
+
 def test_bad_limit_value_points_at_the_value() -> None:
     text = MINIMAL + "limits:\n  max_iterations: -1\n"
     error = _error(text)
