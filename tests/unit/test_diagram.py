@@ -508,5 +508,5 @@ def test_plan_executes_two_else_edges_are_told_apart() -> None:
     labels = {(t.source, t.target): edge_label(spec, i) for i, t in enumerate(spec.transitions)}
 
     assert labels["plan", "execute"] == "3. [else]"
-    assert labels["execute", "replan"] == "6. [else]"
-    assert labels["replan", "execute"] == "9. [else]"
+    assert labels["execute", "replan"] == "7. [else] / replans = vars.replans + 1"
+    assert labels["replan", "execute"] == "10. [else]"

@@ -41,6 +41,10 @@ CASES = [
                  "terminate", "max_iterations", id="budget-spent-no-replan"),
     pytest.param("execute", {"children": [child(True), child(False)]}, "replan", None,
                  id="a-failed-step-replans"),
+    pytest.param("execute", {"children": [child(False)], "vars": {"replans": 1}}, "replan", None,
+                 id="a-second-replan"),
+    pytest.param("execute", {"children": [child(False)], "vars": {"replans": 2}}, "terminate",
+                 "steps_failed", id="two-replans-then-give-up"),
     pytest.param("replan", {"last_reply": PLAN}, "execute", None, id="replan-then-execute"),
     pytest.param("replan", {**NOT_A_PLAN, "malformed_streak": 1}, "replan", None,
                  id="not-a-new-plan-asks-again"),
@@ -132,3 +136,27 @@ def test_a_failed_step_replans_the_rest(tmp_path: Path) -> None:
     assert "(failed: tool_failures)" in replan.messages[-2].content
     states = [t.source for t in HARNESS.fired[-5:]]
     assert states == ["plan", "execute", "replan", "execute", "answer"]
+
+
+def test_a_step_that_keeps_failing_ends_the_run_after_two_replans(tmp_path: Path) -> None:
+    missing = call("read_file", {"path": "a.txt"})
+    failing = ["Read it.", missing, "Again.", missing, "Once more.", missing]
+    plan = json.dumps({"steps": ["read a.txt"]})
+    model = ScriptedChatModel([plan, *failing, plan, *failing, plan, *failing])
+
+    result = HARNESS.run("What does the file say?", model=model, workspace=tmp_path)
+
+    assert result.termination_reason == "steps_failed"
+    assert not result.ok
+    model.assert_complete()
+    assigned = [e.data["value"] for e in result.events if e.type.value == "vars.assigned"]
+    assert assigned == [1, 2]
+    taken = [
+        (e.data["source"], e.data["target"], e.data["reason"])
+        for e in result.events
+        if e.type.value == "transition.taken"
+    ]
+    gave_up = ("execute", "terminate", "steps_failed")
+    assert taken == [("plan", "execute", None), ("execute", "replan", None),
+                     ("replan", "execute", None), ("execute", "replan", None),
+                     ("replan", "execute", None), gave_up]  # fmt: skip
