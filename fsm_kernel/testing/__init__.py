@@ -27,6 +27,7 @@ from fsm_kernel.testing._coverage import (
     assert_all_transitions_covered,
     uncovered_transitions,
 )
+from fsm_kernel.testing._generate import GeneratedSuite, generate_cases, witnesses
 from fsm_kernel.testing._harness import DeclaredTransition, WorkflowHarness
 from fsm_kernel.testing._models import (
     FunctionChatModel,
@@ -52,6 +53,7 @@ __all__ = [
     "CoverageCase",
     "DeclaredTransition",
     "FunctionChatModel",
+    "GeneratedSuite",
     "ModelRequest",
     "ReplyLike",
     "ScriptExhaustedError",
@@ -65,7 +67,9 @@ __all__ = [
     "bad_call",
     "call",
     "calls",
+    "generate_cases",
     "text_reply",
     "tool_call",
     "uncovered_transitions",
+    "witnesses",
 ]
