@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,3 +146,63 @@ def scripted_model(request: pytest.FixtureRequest) -> Generator[ModelFactory, No
     ]
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+# -- workflow test files ---------------------------------------------------------------------
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """Collect workflow test files (`*.test.yaml`): one test item per case."""
+    if file_path.name.endswith(".test.yaml"):
+        collected: pytest.Collector = WorkflowTestFile.from_parent(parent, path=file_path)
+        return collected
+    return None
+
+
+class WorkflowTestFile(pytest.File):
+    """A `*.test.yaml` file: its cases, run as `fsm-kernel test` runs them."""
+
+    def collect(self) -> Iterable[pytest.Item]:
+        from fsm_kernel.errors import WorkflowError
+        from fsm_kernel.testing._casefile import load_test_file
+
+        try:
+            loaded = load_test_file(self.path)
+            harness = WorkflowHarness(loaded.workflow)
+        except WorkflowError as exc:
+            raise self.CollectError("; ".join(str(e) for e in exc.errors)) from None
+        for name in loaded.spec.cases:
+            yield WorkflowTestCase.from_parent(self, name=name, loaded=loaded, harness=harness)
+
+
+class WorkflowTestCase(pytest.Item):
+    """One case of a workflow test file."""
+
+    def __init__(self, *, loaded: Any, harness: WorkflowHarness, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loaded, self.harness = loaded, harness
+
+    def runtest(self) -> None:
+        from fsm_kernel.testing._cases import run_case
+
+        result = run_case(self.loaded, self.harness, self.name, self.loaded.spec.cases[self.name])
+        if not result.passed:
+            raise WorkflowCaseFailed(f"{result.location}: {result.difference}")
+
+    def repr_failure(
+        self,
+        excinfo: pytest.ExceptionInfo[BaseException],
+        style: Any = None,
+    ) -> str:
+        if isinstance(excinfo.value, WorkflowCaseFailed):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        where = self.loaded.where(self.name)
+        line = getattr(where, "line", None)
+        return self.path, None if line is None else line - 1, f"case {self.name}"
+
+
+class WorkflowCaseFailed(Exception):
+    """A case did something its `expect:` does not say (the first difference)."""

@@ -37,6 +37,7 @@ from fsm_kernel.protocol import (
     ToolCall,
     ToolResult,
 )
+from fsm_kernel.testing._cases import run_path
 from fsm_kernel.testing._harness import WorkflowHarness, declared_transitions
 from fsm_kernel.testing._models import FunctionChatModel
 from fsm_kernel.testing._replies import as_completion, call
@@ -143,6 +144,17 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
+class _Flow(dict[str, Any]):
+    """A mapping written on one line (`{tool_calls: [{name: datetime, arguments: {}}]}`)."""
+
+
+def _flow(dumper: yaml.SafeDumper, data: _Flow) -> yaml.Node:
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True)
+
+
+_NoAliases.add_representer(_Flow, _flow)
+
+
 class _OutOfScript(Exception):
     """The generated script has no reply for this request: the search extends it here."""
 
@@ -225,7 +237,7 @@ class _Search:
             return _completion(replies.pop(0).reply or {})
 
         model = _Model(reply, pending)
-        human = _Human([HumanAnswer.from_dict(dict(a)) for a in answers], pending)
+        human = _Human([_human_answer(a) for a in answers], pending)
         result = asyncio.run(
             self.harness.arun(
                 "Generated case",
@@ -237,9 +249,7 @@ class _Search:
             )
         )
         taken = [e for e in result.events if e.type is EventType.TRANSITION_TAKEN]
-        entered = [str(e.state) for e in result.events if e.type is EventType.STATE_ENTERED]
-        if taken and taken[-1].data.get("target") and result.status == "ended":
-            entered.append(str(taken[-1].data["target"]))  # the final state: no state.entered
+        entered = [leaf for leaf, _ in run_path(self.harness, result)]
         outcome = _Outcome(
             edges=[int(e.data["index"]) for e in taken],
             path=entered,
@@ -310,22 +320,23 @@ class _Search:
     def _case(self, found: _Found) -> dict[str, Any]:
         script, outcome = found.script, found.outcome
         case: dict[str, Any] = {"prompt": "Generated case"}
-        case["model"] = [dict(s.reply) for s in script if s.reply is not None] or [{"text": "-"}]
+        case["model"] = [_Flow(s.reply) for s in script if s.reply is not None] or [_Flow(text="-")]
         tools: dict[str, list[dict[str, Any]]] = {}
         for s in script:
             if s.tool_result is not None:
-                tools.setdefault(s.tool_result[0], []).append(dict(s.tool_result[1]))
+                tools.setdefault(s.tool_result[0], []).append(_Flow(s.tool_result[1]))
         if tools:
             case["tools"] = tools
-        answers = [dict(s.answer) for s in script if s.answer is not None]
+        answers = [_Flow(s.answer) for s in script if s.answer is not None]
         if answers:
             case["answers"] = answers
-        children = [dict(s.child) for s in script if s.child is not None]
+        children = [_Flow(s.child) for s in script if s.child is not None]
         if children:
             case["children"] = children
         changed = {k: v for k, v in found.limits.items() if v != getattr(self.spec.limits, k)}
-        if changed and not self._same_without(script, outcome):
-            case["limits"] = changed
+        needed = self._needed_limits(script, outcome, changed)
+        if needed:
+            case["limits"] = _Flow(needed)
         expect: dict[str, Any] = {"path": outcome.path}
         if outcome.status == "waiting":
             expect["status"] = "waiting"
@@ -334,28 +345,34 @@ class _Search:
         case["expect"] = expect
         return case
 
-    def _same_without(self, script: tuple[Step, ...], outcome: _Outcome) -> bool:
-        """Whether `script` takes the same edges to the same end under the workflow's own
-        limits (then the case needs no `limits:`)."""
-        own = self._try(script, limits={})
-        return (own.edges, own.status, own.reason) == (
-            outcome.edges,
-            outcome.status,
-            outcome.reason,
-        )
+    def _needed_limits(
+        self, script: tuple[Step, ...], outcome: _Outcome, lowered: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The lowered limits the case needs: each one without which `script` would take
+        other edges or end otherwise is kept, the others go back to the workflow's own."""
+        needed = dict(lowered)
+        for key in list(lowered):
+            trial = {k: v for k, v in needed.items() if k != key}
+            again = self._try(script, limits=trial)
+            if (again.edges, again.status, again.reason) == (
+                outcome.edges,
+                outcome.status,
+                outcome.reason,
+            ):
+                needed = trial
+        return needed
 
     def _answers_to(self, question: Question) -> list[Step]:
         """A person's answers (approve or reject; some text), or a waiting state's events and
         timers (each timer by the index of its `after:` edge)."""
         if question.kind == "approval":
-            no = {"kind": "approval", "approved": False, "reason": "not that"}
-            return [Step(answer={"kind": "approval", "approved": True}), Step(answer=no)]
+            return [Step(answer={"approve": True}), Step(answer={"reject": "not that"})]
         if question.kind == "input":
-            return [Step(answer={"kind": "input", "text": "Go on."})]
-        steps = [Step(answer={"kind": "event", "name": name}) for name in question.events]
+            return [Step(answer={"input": "Go on."})]
+        steps = [Step(answer={"event": name}) for name in question.events]
         waits = self.harness.compiled.waits.get(question.state)
         for edge, _seconds in waits.timers if waits is not None else ():
-            steps.append(Step(answer={"kind": "event", "timer": edge}))
+            steps.append(Step(answer={"timer": edge}))
         return steps
 
     def unreached(self, covered: Mapping[int, Any]) -> list[str]:
@@ -456,6 +473,20 @@ def _asker(outcome: _Outcome) -> tuple[Any, ...]:
     messages, tools, fmt = outcome.request
     last = next((m.content for m in reversed(messages) if m.role.value == "user"), "")
     return (tuple(t.name for t in tools), (last or "")[:80], fmt is not None)
+
+
+def _human_answer(answer: Mapping[str, Any]) -> HumanAnswer:
+    """A test file's answer (`{approve: true}`, `{reject: why}`, `{input: text}`, `{event:
+    name}`, `{timer: edge}`) as the run receives it."""
+    if answer.get("approve"):
+        return HumanAnswer.approve(by="test")
+    if "reject" in answer:
+        return HumanAnswer.reject(str(answer["reject"]), by="test")
+    if "input" in answer:
+        return HumanAnswer.input(str(answer["input"]), by="test")
+    if "event" in answer:
+        return HumanAnswer.signal(str(answer["event"]), answer.get("data"), by="test")
+    return HumanAnswer.timer_fired(int(answer["timer"]))
 
 
 def _kind(step: Step) -> str:

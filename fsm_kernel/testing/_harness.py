@@ -33,7 +33,13 @@ from fsm_kernel.workflow.recovery import error_kind, failure_of, first_catch
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec, parse_duration
 from fsm_kernel.workflow.waiting import AWAIT_IN_PROCESS
 
-__all__ = ["DeclaredTransition", "StepListener", "WorkflowHarness", "declared_transitions"]
+__all__ = [
+    "DeclaredTransition",
+    "StepListener",
+    "WorkflowHarness",
+    "build_case_tools",
+    "declared_transitions",
+]
 
 
 class DeclaredTransition(NamedTuple):
@@ -507,6 +513,15 @@ def _workspace(given: str | Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="fsm-kernel-test-") as tmp:
         yield Path(tmp)
+
+
+@contextlib.contextmanager
+def build_case_tools(spec: WorkflowSpec) -> Iterator[tuple[ToolExecutor, list[str]]]:
+    """The workflow's real tools (built-ins on a scratch workspace, its own) and the names it
+    offers, for a scripted case to run the tools it does not script (see testing/_cases.py)."""
+    with _workspace(None) as root:
+        registry, offered, _ = build_tools(spec, RunOptions(workspace=str(root)))
+        yield registry, offered
 
 
 def _build_tools(

@@ -35,6 +35,7 @@ __all__ = [
     "MAX_YAML_BYTES",
     "MAX_YAML_DEPTH",
     "MAX_YAML_NODES",
+    "Locations",
     "StrictBoolLoader",
     "WorkflowCheck",
     "YamlLimitError",
@@ -45,6 +46,7 @@ __all__ = [
     "load_workflow",
     "load_workflow_text",
     "parse_yaml_with_locations",
+    "pydantic_errors",
     "read_yaml_file",
     "stock_workflow_names",
 ]
@@ -307,7 +309,9 @@ class WorkflowCheck:
         return self.spec
 
 
-def _pydantic_errors(exc: ValidationError, locs: Locations, path: str) -> list[WorkflowError]:
+def pydantic_errors(exc: ValidationError, locs: Locations, path: str) -> list[WorkflowError]:
+    """A pydantic ValidationError of data parsed by `parse_yaml_with_locations`, as one error
+    per problem, each at the `file:line:col` of its key or value."""
     return [
         WorkflowValidationError(_pydantic_message(err), location=_error_location(err, locs, path))
         for err in exc.errors()
@@ -334,7 +338,7 @@ def check_workflow_text(
     try:
         spec = WorkflowSpec.model_validate(data)
     except ValidationError as exc:
-        return WorkflowCheck(None, in_file_order(errors + _pydantic_errors(exc, locs, path), path))
+        return WorkflowCheck(None, in_file_order(errors + pydantic_errors(exc, locs, path), path))
     spec._path = path
     spec._content_hash = hashlib.sha256(text.encode()).hexdigest()
     spec._text = text
