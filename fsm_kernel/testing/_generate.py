@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -193,6 +194,7 @@ class _Search:
             for k, v in SEARCH_LIMITS.items()
         }
         self.texts = _witness_texts(self.spec)
+        self.event_data = _event_witnesses(self.spec)
         self.edges = {d.index: d for d in declared_transitions(self.spec)}
 
     def explore(self, covered: dict[int, _Found], limits: Mapping[str, Any], max_runs: int) -> int:
@@ -369,7 +371,11 @@ class _Search:
             return [Step(answer={"approve": True}), Step(answer={"reject": "not that"})]
         if question.kind == "input":
             return [Step(answer={"input": "Go on."})]
-        steps = [Step(answer={"event": name}) for name in question.events]
+        steps = [
+            Step(answer={"event": name, **({"data": data} if data is not None else {})})
+            for name in question.events
+            for data in self.event_data.get(name, [None])
+        ]
         waits = self.harness.compiled.waits.get(question.state)
         for edge, _seconds in waits.timers if waits is not None else ():
             steps.append(Step(answer={"timer": edge}))
@@ -473,6 +479,46 @@ def _asker(outcome: _Outcome) -> tuple[Any, ...]:
     messages, tools, fmt = outcome.request
     last = next((m.content for m in reversed(messages) if m.role.value == "user"), "")
     return (tuple(t.name for t in tools), (last or "")[:80], fmt is not None)
+
+
+_EVENT_FIELD = re.compile(
+    r"event\.data\.([A-Za-z_][A-Za-z0-9_]*)\s*(==|!=)\s*(\"[^\"]*\"|'[^']*'|-?[0-9]+|true|false)"
+)
+
+
+def _event_witnesses(spec: Any) -> dict[str, list[Any]]:
+    """Data to deliver each event with: none, and for the `when:` of its edges that compare
+    `event.data.FIELD` with a literal, data where that comparison holds and where it does not
+    (so both the edge and the one after it can be reached)."""
+    out: dict[str, list[Any]] = {}
+    for t in spec.transitions:
+        if t.event is None:
+            continue
+        options = out.setdefault(t.event, [None])
+        for field_name, _op, literal in _EVENT_FIELD.findall(t.when or ""):
+            value = _literal(literal)
+            for data in ({field_name: value}, {field_name: _other(value)}):
+                if data not in options:
+                    options.append(data)
+    return out
+
+
+def _literal(text: str) -> Any:
+    """A CEL literal as a value: a quoted string, an integer, true or false."""
+    if text[0] in "'\"":
+        return text[1:-1]
+    if text in ("true", "false"):
+        return text == "true"
+    return int(text)
+
+
+def _other(value: Any) -> Any:
+    """A value of the same type that is not `value`."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    return f"not {value}"
 
 
 def _human_answer(answer: Mapping[str, Any]) -> HumanAnswer:

@@ -275,6 +275,8 @@ def _pydantic_message(err: Any) -> str:
         return f"unknown key {field!r}{_EXTRA_KEY_HINTS.get(field, '')}"
     if kind == "missing":
         return f"missing required key {field!r}"
+    if kind == "value_error" and loc and isinstance(loc[-1], int):  # an item of a list: the
+        return str(err["msg"]).removeprefix("Value error, ")  # location says which one
     return f"{field}: {err['msg']}"
 
 
