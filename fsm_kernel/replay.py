@@ -261,6 +261,22 @@ class RecordedRun:
         where = (str(event.state), int(data.get("visit", 1)), attempt)
         self.action_failures[where] = _action_error(data.get("kind"), data.get("error") or {})
 
+    def refuse_if_ended(self, action: str = "resumed", detail: str = "") -> None:
+        """Raise ResumeError when the run ended for good (`detail` is added to why).
+
+        Raises:
+            ResumeError: it ended, and not because its model server failed.
+        """
+        if self.resumable:
+            return
+        reason = self.terminated.data.get("reason") if self.terminated else None
+        raise ResumeError(
+            f"run {self.run_id} already terminated ({reason}){detail}; only a killed run, a run "
+            "that waits for a person or an event, or one that ended because the model server "
+            f"could not be reached can be {action}",
+            run_id=self.run_id,
+        )
+
     @property
     def goal(self) -> str:
         return str(self.started.data.get("goal", ""))
@@ -505,13 +521,7 @@ async def _resume_locked(
     migrating: Translation | None = None,
 ) -> RunResult:
     run = RecordedRun.load(store, run_id, migrating=migrating)
-    if not run.resumable:
-        reason = run.terminated.data.get("reason") if run.terminated else None
-        raise ResumeError(
-            f"run {run.run_id} already terminated ({reason}); only a killed run, or one that "
-            "ended because the model server could not be reached, can be resumed",
-            run_id=run.run_id,
-        )
+    run.refuse_if_ended()
     answer = check_answer(run, answer, now=kernel.clock.now())  # bound to the call shown
     reopened, run.terminated = run.terminated, None
     recorded_hash = run.definition[0]  # the last definition it ran under
@@ -593,13 +603,7 @@ async def migration_check(
     """
     run = RecordedRun.load(store, run_id)
     name = where or new.path
-    if not run.resumable:
-        reason = run.terminated.data.get("reason") if run.terminated else None
-        raise ResumeError(
-            f"run {run.run_id} already terminated ({reason}); only a run that is waiting, was "
-            "interrupted, or ended on a model server that failed can be migrated",
-            run_id=run.run_id,
-        )
+    run.refuse_if_ended("migrated")
     text = run.definition[1]
     old = load_workflow_text(text, path=name, import_code=False, calls=False) if text else None
     move = translation_between(old, new) if old is not None else Translation()

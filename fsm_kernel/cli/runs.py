@@ -539,17 +539,8 @@ def _check_resumable(run: RecordedRun, answer: HumanAnswer | None) -> None:
     Raises:
         ResumeError: the run ended, and not because its model server failed.
     """
-    from fsm_kernel.errors import ResumeError
-
-    if not run.resumable:
-        reason = run.terminated.data.get("reason") if run.terminated else None
-        nobody = "" if answer is None else f", so it does not wait for a person ({answer.flag})"
-        raise ResumeError(
-            f"run {run.run_id} already terminated ({reason}){nobody}; only a killed run, a run "
-            "that waits for a person, or one that ended because the model server could not be "
-            "reached can be resumed",
-            run_id=run.run_id,
-        )
+    nobody = "" if answer is None else f", so it does not wait for a person ({answer.flag})"
+    run.refuse_if_ended(detail=nobody)
 
 
 def _settle_dispatch(store: str, result: RunResult) -> None:
