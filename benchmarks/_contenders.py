@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import json
+import operator
 import os
 import shutil
 import sqlite3
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -263,20 +264,104 @@ class FsmKernel(Contender):
 # --- LangGraph -------------------------------------------------------------------------------
 
 
+class LeanState(TypedDict):
+    """LangGraph's leanest state for the loop: plain dict messages, appended."""
+
+    messages: Annotated[list[dict[str, Any]], operator.add]
+
+
 class LangGraph(Contender):
     """LangGraph's StateGraph over MessagesState: a model node, a hand-written tool node (no
-    ToolNode thread pool), a conditional edge back; `invoke` (sync, as SqliteSaver is)."""
+    ToolNode thread pool), a conditional edge back; `invoke` (sync, as SqliteSaver is).
+    `lean`: its leanest form instead, a TypedDict state whose `messages` are plain dicts
+    appended with operator.add (no message classes, no add_messages reducer)."""
 
-    def __init__(self, workdir: Path, saver: str, durability: str | None) -> None:
+    def __init__(
+        self, workdir: Path, saver: str, durability: str | None, lean: bool = False
+    ) -> None:
         super().__init__(workdir)
         self.saver_kind = saver
         self.durability = durability
         self.durable = saver != "memory"
-        self.name = "langgraph_memory" if saver == "memory" else f"langgraph_sqlite_{durability}"
+        self.lean = lean
+        base = "langgraph_lean" if lean else "langgraph"
+        self.name = f"{base}_memory" if saver == "memory" else f"{base}_sqlite_{durability}"
         import langgraph.graph  # noqa: F401 -- imported before timing
         from langchain_core.messages import AIMessage  # noqa: F401
 
     def _run(self, n: int, clock: Clock, run_dir: Path, *, stored: bool) -> Outcome:
+        if self.lean:
+            return self._run_lean(n, clock, run_dir, stored=stored)
+        return self._run_messages(n, clock, run_dir, stored=stored)
+
+    def _compile(
+        self, graph: Any, run_dir: Path
+    ) -> tuple[Any, sqlite3.Connection | None, list[str]]:
+        if self.saver_kind != "sqlite":
+            return graph.compile(), None, []
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        path = run_dir / "lg.db"
+        conn = sqlite3.connect(str(path), check_same_thread=False)
+        saver = SqliteSaver(conn)
+        saver.setup()
+        return graph.compile(checkpointer=saver), conn, [str(path), f"{path}-wal", f"{path}-shm"]
+
+    def _run_lean(self, n: int, clock: Clock, run_dir: Path, *, stored: bool) -> Outcome:
+        from langgraph.graph import END, START, StateGraph
+
+        def model(state):  # type: ignore[no-untyped-def]  # unannotated: LangGraph reads hints
+            i = clock.tick()
+            if i < n:
+                calls = [[call_id(i), "echo", call_args(i)]]
+                return {"messages": [{"role": "assistant", "content": "", "tool_calls": calls}]}
+            return {"messages": [{"role": "assistant", "content": final_text(n), "tool_calls": []}]}
+
+        def run_tools(state):  # type: ignore[no-untyped-def]
+            last = state["messages"][-1]
+            return {
+                "messages": [
+                    {"role": "tool", "content": echo(**args), "tool_call_id": cid}
+                    for cid, _name, args in last["tool_calls"]
+                ]
+            }
+
+        def route(state):  # type: ignore[no-untyped-def]
+            return "tools" if state["messages"][-1]["tool_calls"] else END
+
+        graph = StateGraph(LeanState)
+        graph.add_node("model", model)
+        graph.add_node("tools", run_tools)
+        graph.add_edge(START, "model")
+        graph.add_conditional_edges("model", route, ["tools", END])
+        graph.add_edge("tools", "model")
+        app, conn, files = self._compile(graph, run_dir)
+        config: dict[str, Any] = {
+            "configurable": {"thread_id": "bench"},
+            "recursion_limit": 2 * n + 10,
+        }
+        inputs = {"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                               {"role": "user", "content": PROMPT}]}  # fmt: skip
+        kwargs = {"durability": self.durability} if self.durability else {}
+
+        def close() -> None:
+            if conn is not None and not stored:
+                conn.close()
+
+        state, out = _measure(lambda: app.invoke(inputs, config, **kwargs), close, lambda: files)
+        rows = [
+            row(m["role"], m["content"], [tuple(c) for c in m.get("tool_calls", ())],
+                m.get("tool_call_id", ""))
+            for m in state["messages"][1:]
+        ]  # fmt: skip
+        out["digest"] = digest(rows)
+        if stored and conn is not None:
+            out["stored_per_iteration"] = self._stored(conn, n)
+            conn.close()
+            out["store_bytes"] = tree_bytes(files)
+        return out
+
+    def _run_messages(self, n: int, clock: Clock, run_dir: Path, *, stored: bool) -> Outcome:
         from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
         from langgraph.graph import END, START, MessagesState, StateGraph
 
@@ -481,6 +566,8 @@ CONTENDERS: dict[str, Callable[[Path, str | None], Contender]] = {
     "langgraph_memory": lambda w, dsn: LangGraph(w, "memory", None),
     "langgraph_sqlite_async": lambda w, dsn: LangGraph(w, "sqlite", "async"),
     "langgraph_sqlite_sync": lambda w, dsn: LangGraph(w, "sqlite", "sync"),
+    "langgraph_lean_memory": lambda w, dsn: LangGraph(w, "memory", None, lean=True),
+    "langgraph_lean_sqlite_sync": lambda w, dsn: LangGraph(w, "sqlite", "sync", lean=True),
     "burr_memory": lambda w, dsn: Burr(w, persister=False),
     "burr_sqlite": lambda w, dsn: Burr(w, persister=True),
 }

@@ -61,21 +61,24 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
 
-IN_MEMORY = ["floor", "fsm_memory", "langgraph_memory", "burr_memory"]
+IN_MEMORY = ["floor", "fsm_memory", "langgraph_memory", "langgraph_lean_memory", "burr_memory"]
 DURABLE = [
     "fsm_sqlite",
     "fsm_jsonl",
     "langgraph_sqlite_async",
     "langgraph_sqlite_sync",
+    "langgraph_lean_sqlite_sync",
     "burr_sqlite",
 ]
 PEERS = [
     "floor",
     "fsm_memory",
     "langgraph_memory",
+    "langgraph_lean_memory",
     "burr_memory",
     "fsm_sqlite",
     "langgraph_sqlite_sync",
+    "langgraph_lean_sqlite_sync",
     "burr_sqlite",
 ]
 LABELS = {
@@ -87,6 +90,8 @@ LABELS = {
     "langgraph_memory": "LangGraph, no checkpointer",
     "langgraph_sqlite_async": "LangGraph, SqliteSaver, durability=async",
     "langgraph_sqlite_sync": "LangGraph, SqliteSaver, durability=sync",
+    "langgraph_lean_memory": "LangGraph lean (dict state), no checkpointer",
+    "langgraph_lean_sqlite_sync": "LangGraph lean (dict state), SqliteSaver sync",
     "burr_memory": "Burr, no persister",
     "burr_sqlite": "Burr, SQLitePersister",
 }
@@ -463,16 +468,21 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     if ov:
         r = ov["ratios"]
         c = ov["contenders"]
-        if "langgraph_memory" in r.get("fsm_memory", {}):
-            add("in memory: fsm-kernel / LangGraph", r["fsm_memory"]["langgraph_memory"], 1.0)
-        if "langgraph_sqlite_sync" in r.get("fsm_sqlite", {}):
+        # issue 30's goals, against each peer's leanest form (a skeptic's comparison)
+        if "langgraph_lean_memory" in r.get("fsm_memory", {}):
             add(
-                "SQLite: fsm-kernel / LangGraph SqliteSaver sync",
-                r["fsm_sqlite"]["langgraph_sqlite_sync"],
+                "in memory: fsm-kernel / LangGraph lean",
+                r["fsm_memory"]["langgraph_lean_memory"],
                 0.5,
             )
+        if "langgraph_lean_sqlite_sync" in r.get("fsm_sqlite", {}):
+            add(
+                "SQLite: fsm-kernel / LangGraph lean SqliteSaver sync",
+                r["fsm_sqlite"]["langgraph_lean_sqlite_sync"],
+                0.33,
+            )
         if "burr_sqlite" in r.get("fsm_sqlite", {}):
-            add("SQLite: fsm-kernel / Burr SQLitePersister", r["fsm_sqlite"]["burr_sqlite"], 0.5)
+            add("SQLite: fsm-kernel / Burr SQLitePersister", r["fsm_sqlite"]["burr_sqlite"], 0.25)
         if "fsm_sqlite" in c and "langgraph_sqlite_sync" in c:
             for key in ("write_bytes_per_iteration", "wchar_per_iteration"):
                 lg = c["langgraph_sqlite_sync"][key]
