@@ -19,7 +19,7 @@ resume or a replay re-drives the run from its start. Events carry the full path 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from statemachine import StateChart
@@ -38,6 +38,10 @@ from fsm_kernel.workflow.validate import EVENT_NAME
 from fsm_kernel.workflow.variables import apply_assign, initial_vars, when_guard
 
 __all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "Waits", "compile_workflow"]
+
+Guard = Callable[[RunContext], bool]
+Tried = tuple[dict[str, Any], ...]
+"""The edges a step tried and their checks (see `FiredTransition.tried`)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,13 @@ class FiredTransition:
     """... and of the state it entered (research.think when the edge targets research)."""
     choice: str | None = None
     """For a `choice:` edge: its text, the model's pick (out of an agent.decide state)."""
+    tried: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+    """Why it fired: the edges the step tried, in the order tried (those of the compound
+    states the run is inside first), the last the edge taken; each
+    {"edge": index, "target": declared target, "checks": [{"check": label, "value": bool}],
+    "passed": bool} with the checks evaluated, up to the first false one. Empty when built
+    from a log written before it was recorded. Not part of a step's identity (replay, resume
+    compare the edge)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -78,6 +89,8 @@ class FiredTransition:
             data["from"], data["to"] = self.path_from, self.path_to
         if self.choice is not None:
             data["choice"] = self.choice
+        if self.tried:
+            data["tried"] = list(self.tried)
         return data
 
 
@@ -163,19 +176,23 @@ class Machine:
         The engine decides each situation once: a state whose guards are all built-in (pure
         functions of the context) is decided by the values they have now, so when the same
         values come again the engine's earlier decision is taken at once (its `on` callback
-        run, the state set) instead of sending the event through the engine again. Users'
-        guards always go through it."""
+        run, the state set) instead of sending the event through the engine again, and with
+        it the checks the engine evaluated then (`FiredTransition.tried`), which the same
+        values make the same. Users' guards always go through the engine."""
         source = self.state
-        self.ctx.notes.fired = None
+        notes = self.ctx.notes
+        notes.fired, notes.tried = None, []
         guards = self.compiled.pure_guards.get(source)
         key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
-        index = self.compiled.decisions.get(key) if key is not None else None
-        if index is not None:
+        decided = self.compiled.decisions.get(key) if key is not None else None
+        if decided is not None:
+            index = decided[0]
             self.compiled.on_fire[index](self.ctx)
+            notes.tried = list(decided[1])  # the same values: the same checks, in order
         else:
             index = self._send(source)
             if key is not None:
-                self.compiled.decisions[key] = index
+                self.compiled.decisions[key] = (index, tuple(notes.tried))
         target = self._landing(index)
         if self._sm is not None and self._sm.current_state_value != target:
             self._sm.current_state_value = target  # the engine went to the static target
@@ -188,6 +205,7 @@ class Machine:
         if spec.has_compound:
             paths = {"path_from": spec.state_path(source), "path_to": spec.state_path(self.state)}
         edge = spec.catch_edge(index)
+        tried = tuple(self.ctx.notes.tried)
         if edge is not None:
             return FiredTransition(
                 index,
@@ -198,10 +216,19 @@ class Machine:
                 self.is_final,
                 catch=edge.error,
                 **paths,
+                tried=tried,
             )
         t = spec.transitions[index]
         return FiredTransition(
-            index, t.source, t.target, t.label(), t.reason, self.is_final, **paths, choice=t.choice
+            index,
+            t.source,
+            t.target,
+            t.label(),
+            t.reason,
+            self.is_final,
+            **paths,
+            choice=t.choice,
+            tried=tried,
         )
 
     def _send(self, source: str) -> int:
@@ -264,7 +291,7 @@ class CompiledWorkflow:
         self.on_fire: dict[int, Callable[[RunContext], None]] = {}
         """Each transition's `on` callback (by index), run when a decision is taken again."""
         self.targets: dict[int, str] = {}
-        self.pure_guards: dict[str, tuple[Callable[[RunContext], bool], ...]] = {}
+        self.pure_guards: dict[str, tuple[Guard, ...]] = {}
         """The guards of each state whose guards are all built-in, in the engine's order."""
         for sid, sdef in states.items():
             defs = sdef.get("transitions", [])
@@ -276,10 +303,13 @@ class CompiledWorkflow:
                 self.pure_guards[sid] = tuple(
                     g for td in defs for g in (*td.get("cond", ()), *td.get("unless", ()))
                 )
+            for td in defs:  # after: the decision cache's key is of the guards themselves
+                _trace(td, spec)
         self.waits: dict[str, Waits] = _waits(spec)
         """The waiting states (no action; edges on events or timers) and what they wait for."""
-        self.decisions: dict[tuple[str, tuple[bool, ...]], int] = {}
-        """(state, its guards' values) → the transition the engine fired for them."""
+        self.decisions: dict[tuple[str, tuple[bool, ...]], tuple[int, Tried]] = {}
+        """(state, its guards' values) → the transition the engine fired for them, and the
+        checks it evaluated on the way (`FiredTransition.tried`)."""
         self.machine_class = _build_class(spec, states)  # after: the factory consumes `states`
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
@@ -289,25 +319,79 @@ class CompiledWorkflow:
         return Machine(self, ctx, start=start)
 
 
-def _guard_fn(name: str) -> Callable[[RunContext], bool]:
+def _labelled(fn: Guard, label: str) -> Guard:
+    """`fn`, named as a step's trace names the check (`FiredTransition.tried`)."""
+    fn.check_label = label  # type: ignore[attr-defined]
+    return fn
+
+
+def _guard_fn(name: str) -> Guard:
     fn = resolve_guard(name)
 
     def guard(model: RunContext) -> bool:
         return bool(fn(model))
 
     guard.__name__ = name.replace(".", "_").replace(":", "_")
-    return guard
+    return _labelled(guard, name)
 
 
-def _mark(index: int) -> Callable[[RunContext], None]:
+def _entry(tried: list[dict[str, Any]], index: int, target: str) -> dict[str, Any]:
+    """The trace's entry of edge `index`: the last one, or a new one when the engine moved on
+    to this edge (it tries each edge once per step, its checks one after another)."""
+    if not tried or tried[-1]["edge"] != index:
+        tried.append({"edge": index, "target": target, "checks": [], "passed": False})
+    return tried[-1]
+
+
+def _traced(fn: Guard, index: int, target: str, label: str, negate: bool) -> Guard:
+    """`fn` as the engine calls it, noting the check and its value in the step's trace
+    (`KernelNotes.tried`); an `unless:` check's value is that of `not <name>`."""
+
+    def check(model: RunContext) -> bool:
+        value = fn(model)
+        entry = _entry(model.notes.tried, index, target)
+        entry["checks"].append({"check": label, "value": bool(value) is not negate})
+        return value
+
+    check.__name__ = getattr(fn, "__name__", "check")
+    return check
+
+
+def _trace(td: dict[str, Any], spec: WorkflowSpec) -> None:
+    """Make the checks of transition definition `td` note themselves in the step's trace."""
+    index = td["on"].fired_index
+    t = spec.transitions[index] if index < len(spec.transitions) else None
+    target = td["on"].declared_target
+    for key, negate in (("cond", False), ("unless", True)):
+        if key in td:
+            td[key] = [
+                _traced(fn, index, target, ("not " if negate else "") + _label(fn, t), negate)
+                for fn in td[key]
+            ]
+
+
+def _label(fn: Guard, t: TransitionSpec | None) -> str:
+    """The check's label: what the compiler gave it, or for the conditions agent.decide puts
+    on its state's edges (workflow/decide.py) the pick, or that no choice was offered."""
+    label = getattr(fn, "check_label", None)
+    if label is not None:
+        return str(label)
+    if t is not None and t.choice is not None:
+        return f"choice {t.choice}"
+    return "no choice offered" if t is not None and not t.is_guarded else fn.__name__
+
+
+def _mark(index: int, target: str) -> Callable[[RunContext], None]:
     def mark_fired(model: RunContext) -> None:
         model.notes.fired = index
+        _entry(model.notes.tried, index, target)["passed"] = True
 
     mark_fired.fired_index = index  # type: ignore[attr-defined]
+    mark_fired.declared_target = target  # type: ignore[attr-defined]
     return mark_fired
 
 
-def _woken_by(index: int, t: TransitionSpec) -> Callable[[RunContext], bool]:
+def _woken_by(index: int, t: TransitionSpec) -> Guard:
     """The condition of an `event:` / `after:` edge: the run is woken by that event, or by
     this edge's timer (see `KernelNotes.trigger`)."""
     wanted: tuple[str, str | int] = ("event", t.event) if t.event is not None else ("timer", index)
@@ -316,25 +400,29 @@ def _woken_by(index: int, t: TransitionSpec) -> Callable[[RunContext], bool]:
         return model.notes.trigger == wanted
 
     woken.__name__ = f"event_{t.event}" if t.event is not None else f"after_{index}"
-    return woken
+    return _labelled(woken, f"event {t.event}" if t.event is not None else f"after {t.after}")
 
 
-def _completed(holds: bool) -> Callable[[RunContext], bool]:
+def _completed(holds: bool) -> Guard:
     """`completed` as tried in one state: whether it is a final child of the edge's source is
     known when compiling (see workflow/compound.py)."""
 
     def completed(model: RunContext) -> bool:
         return holds
 
-    return completed
+    return _labelled(completed, COMPLETED)
 
 
 def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str) -> dict[str, Any]:
     """Edge `index` as tried in `leaf` (its source, or a state inside it); the engine's target
     is where the edge enters (`Machine._landing` moves it on to a state's history)."""
-    td: dict[str, Any] = {"event": EVENT_NAME, "target": spec.entry(t.target), "on": _mark(index)}
+    td: dict[str, Any] = {
+        "event": EVENT_NAME,
+        "target": spec.entry(t.target),
+        "on": _mark(index, t.target),
+    }
 
-    def guard(name: str) -> Callable[[RunContext], bool]:
+    def guard(name: str) -> Guard:
         if name == COMPLETED:
             return _completed(final_child_of(spec, leaf, t.source))
         return _guard_fn(name)
@@ -342,7 +430,7 @@ def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str
     conds = [_woken_by(index, t)] if t.waits else []
     conds += [guard(g) for g in t.guard]
     if t.when is not None:
-        conds.append(when_guard(t.when))
+        conds.append(_labelled(when_guard(t.when), f"when: {t.when}"))
     if conds:
         td["cond"] = conds
     if t.unless:
@@ -359,11 +447,14 @@ def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
 
     def route(model: RunContext) -> None:
         model.notes.fired = edge.index
+        _entry(model.notes.tried, edge.index, edge.target)["passed"] = True
         take_failure(model)
 
     route.fired_index = edge.index  # type: ignore[attr-defined]
+    route.declared_target = edge.target  # type: ignore[attr-defined]
 
     caught_here.__name__ = f"catch_{edge.position}_{edge.error}"
+    _labelled(caught_here, edge.label())
     return {"event": EVENT_NAME, "target": edge.target, "cond": [caught_here], "on": route}
 
 
