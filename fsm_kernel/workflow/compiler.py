@@ -14,6 +14,10 @@ inside it, which nesting in the engine cannot express. Flat, the run is always i
 engine state, so the decision cache, resume and replay work as for a flat workflow; history is
 the last state the run was in inside each compound state, kept by the Machine and rebuilt when a
 resume or a replay re-drives the run from its start. Events carry the full path (research.think).
+
+Every check the engine calls notes itself and its value in the step's trace as it is called, so
+`transition.taken` says why the edge fired (`FiredTransition.tried`): the engine stops at an
+edge's first false check, and the trace holds exactly what it evaluated.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class FiredTransition:
     """... and of the state it entered (research.think when the edge targets research)."""
     choice: str | None = None
     """For a `choice:` edge: its text, the model's pick (out of an agent.decide state)."""
-    tried: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+    tried: Tried = field(default=(), compare=False)
     """Why it fired: the edges the step tried, in the order tried (those of the compound
     states the run is inside first), the last the edge taken; each
     {"edge": index, "target": declared target, "checks": [{"check": label, "value": bool}],
