@@ -78,6 +78,13 @@ def register(sub: Any) -> None:
         "(workflow.call, workflow.map), each with its reason and answer.",
     )
     p.add_argument("run_id", metavar="RUN_ID", help="a run id or a unique prefix of one")
+    p.add_argument(
+        "--why",
+        action="store_true",
+        help="also show why each transition fired: the edges each step tried, in order, with "
+        "the check that ruled out each edge passed over (its first false one) and the checks "
+        "of the edge taken (with --json: the 'why' key, each step's recorded 'tried' list)",
+    )
     p.add_argument("--json", action="store_true")
     _store_flag(p)
     p.set_defaults(handler=cmd_runs_show)
@@ -316,18 +323,17 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         audit["status"] = _status(store, run_id, audit)
     audit["pinned"] = pinning(events, may_read=lambda _: True)
     iterations = [e.data for e in events if e.type == EventType.ITERATION_COMPLETED]
+    why = _why_steps(events) if args.why else None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "run_id": run_id,
-                    "iterations": iterations,
-                    "termination": audit,
-                    "children": children,
-                },
-                ensure_ascii=False,
-            )
-        )
+        shown: dict[str, Any] = {
+            "run_id": run_id,
+            "iterations": iterations,
+            "termination": audit,
+            "children": children,
+        }
+        if why is not None:
+            shown["why"] = why
+        print(json.dumps(shown, ensure_ascii=False))
         return EXIT_OK
     print(f"run {run_id}  workflow {audit['workflow']}  ({audit['events']} events)")
     if audit["parent_run_id"]:
@@ -340,11 +346,67 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     print(f"{'STEP':>4}  {'DECISION':10}  {'TOOL':16}  {'INPUT':30}  {'OUTPUT':40}  ERROR")
     for it in iterations:
         _print_iteration(it)
+    if why is not None:
+        _print_why(why)
     _print_audit(run_id, audit)
     if children:
         print("\nchild runs:")
         _print_tree(children)
     return EXIT_OK
+
+
+def _why_steps(events: list[Event]) -> list[dict[str, Any]]:
+    """Each transition the run took, in order, with the edges its step tried (`tried`, as
+    recorded in `transition.taken`; None in a log written before fsm-kernel recorded it)."""
+    steps: list[dict[str, Any]] = []
+    for e in events:
+        if e.type != EventType.TRANSITION_TAKEN:
+            continue
+        d, tried = e.data, e.data.get("tried")
+        steps.append(
+            {
+                "step": len(steps) + 1,
+                "seq": e.seq,
+                "iteration": e.iteration,
+                "index": d.get("index"),
+                "source": d.get("from") or d.get("source"),
+                "target": d.get("to") or d.get("target"),
+                "guard": d.get("guard") or "",
+                "reason": d.get("reason"),
+                "tried": tried if isinstance(tried, list) else None,
+            }
+        )
+    return steps
+
+
+def _print_why(steps: list[dict[str, Any]]) -> None:
+    print("\nwhy each transition fired: the edges each step tried, in order")
+    print("(✗ passed over: the check that was false; ✓ taken: its checks)")
+    for step in steps:
+        guard = f" [{step['guard']}]" if step["guard"] else ""
+        reason = f" → {step['reason']}" if step["reason"] else ""
+        where = f"  (iteration {step['iteration']})" if step["iteration"] else ""
+        print(f"  step {step['step']}  {step['source']} → {step['target']}{guard}{reason}{where}")
+        if step["tried"] is None:
+            print("    (not recorded: the run was recorded before fsm-kernel kept why)")
+            continue
+        edges = [f"edge {t.get('edge')} → {t.get('target')}" for t in step["tried"]]
+        width = max(map(len, edges), default=0)
+        for edge, tried in zip(edges, step["tried"], strict=True):
+            mark = "✓" if tried.get("passed") else "✗"
+            print(f"    {mark} {edge:{width}}  {_decided(tried)}")
+
+
+def _decided(tried: dict[str, Any]) -> str:
+    """What decided one edge: the checks of the edge taken, or the check that was false."""
+    checks = [c for c in tried.get("checks") or () if isinstance(c, dict)]
+    if tried.get("passed"):
+        shown = checks
+    else:
+        shown = [c for c in checks if not c.get("value")][:1] or checks
+    if not shown:
+        return "(no condition)" if tried.get("passed") else "(no check recorded)"
+    return ", ".join(f"{c.get('check')}: {'true' if c.get('value') else 'false'}" for c in shown)
 
 
 def _print_audit(run_id: str, audit: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ class CaseCoverage:
         if isinstance(tried, list):
             for edge in tried:
                 for check in edge.get("checks") or ():
-                    label = f"{self._edge(int(edge['edge']))}: {check['check']}"
+                    label = f"{self._edge(int(edge['edge']), guard=False)}: {check['check']}"
                     self.outcomes.setdefault(label, set()).add(bool(check["value"]))
             return
         if e.data.get("catch") is not None or not e.state or e.state not in self.spec.states:
@@ -66,9 +66,9 @@ class CaseCoverage:
             if i == index:
                 break
 
-    def _edge(self, index: int) -> str:
+    def _edge(self, index: int, *, guard: bool = True) -> str:
         t = next(d for d in declared_transitions(self.spec) if d.index == index)
-        return f"{t.source} → {t.target}" + (f" [{t.guard}]" if t.guard else "")
+        return f"{t.source} → {t.target}" + (f" [{t.guard}]" if t.guard and guard else "")
 
     # -- the figures ------------------------------------------------------------------------
 

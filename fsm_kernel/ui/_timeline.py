@@ -1,6 +1,7 @@
 """A run's timeline: its events folded into what a person reads, iteration by iteration: each
 model request with the messages added since the one before and its answer (tokens, latency),
-each tool call with its arguments and result, each transition with the guard that fired.
+each tool call with its arguments and result, each transition with the guard that fired and
+why: the edges its step tried, with the check that decided each.
 
 Pure: events in, entries out (their data already redacted by the caller). Rendering is the
 templates' job.
@@ -216,7 +217,25 @@ def _tool_finished(b: _Builder, event: Event) -> None:
 def _transition(b: _Builder, event: Event) -> None:
     d = event.data
     source, target = str(d.get("source")), str(d.get("target"))
-    b.entry("transition", event, dict(d), states=(source, target), edge=f"{source}->{target}")
+    data = dict(d)
+    tried = d.get("tried")
+    if isinstance(tried, list):  # a log written before `tried` was recorded has none
+        data["why"] = [_why_row(t) for t in tried if isinstance(t, dict)]
+    b.entry("transition", event, data, states=(source, target), edge=f"{source}->{target}")
+
+
+def _why_row(tried: dict[str, Any]) -> dict[str, Any]:
+    """One edge the step tried, with the checks that decided it: all of the taken edge's, the
+    false one of an edge passed over (the engine stops at the first false check)."""
+    checks = [c for c in tried.get("checks") or () if isinstance(c, dict)]
+    passed = bool(tried.get("passed"))
+    decided = checks if passed else [c for c in checks if not c.get("value")][:1] or checks
+    return {
+        "edge": tried.get("edge"),
+        "target": tried.get("target"),
+        "passed": passed,
+        "checks": [{"check": str(c.get("check")), "value": bool(c.get("value"))} for c in decided],
+    }
 
 
 def _iteration(b: _Builder, event: Event) -> None:

@@ -14,12 +14,16 @@ inside it, which nesting in the engine cannot express. Flat, the run is always i
 engine state, so the decision cache, resume and replay work as for a flat workflow; history is
 the last state the run was in inside each compound state, kept by the Machine and rebuilt when a
 resume or a replay re-drives the run from its start. Events carry the full path (research.think).
+
+Every check the engine calls notes itself and its value in the step's trace as it is called, so
+`transition.taken` says why the edge fired (`FiredTransition.tried`): the engine stops at an
+edge's first false check, and the trace holds exactly what it evaluated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from statemachine import StateChart
@@ -39,6 +43,10 @@ from fsm_kernel.workflow.validate import EVENT_NAME
 from fsm_kernel.workflow.variables import apply_assign, initial_vars, when_guard
 
 __all__ = ["CompiledWorkflow", "FiredTransition", "Machine", "Waits", "compile_workflow"]
+
+Guard = Callable[[RunContext], bool]
+Tried = tuple[dict[str, Any], ...]
+"""The edges a step tried and their checks (see `FiredTransition.tried`)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,13 @@ class FiredTransition:
     """... and of the state it entered (research.think when the edge targets research)."""
     choice: str | None = None
     """For a `choice:` edge: its text, the model's pick (out of an agent.decide state)."""
+    tried: Tried = field(default=(), compare=False)
+    """Why it fired: the edges the step tried, in the order tried (those of the compound
+    states the run is inside first), the last the edge taken; each
+    {"edge": index, "target": declared target, "checks": [{"check": label, "value": bool}],
+    "passed": bool} with the checks evaluated, up to the first false one. Empty when built
+    from a log written before it was recorded. Not part of a step's identity (replay, resume
+    compare the edge)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -79,6 +94,8 @@ class FiredTransition:
             data["from"], data["to"] = self.path_from, self.path_to
         if self.choice is not None:
             data["choice"] = self.choice
+        if self.tried:
+            data["tried"] = list(self.tried)
         return data
 
 
@@ -164,19 +181,23 @@ class Machine:
         The engine decides each situation once: a state whose guards are all built-in (pure
         functions of the context) is decided by the values they have now, so when the same
         values come again the engine's earlier decision is taken at once (its `on` callback
-        run, the state set) instead of sending the event through the engine again. Users'
-        guards always go through it."""
+        run, the state set) instead of sending the event through the engine again, and with
+        it the checks the engine evaluated then (`FiredTransition.tried`), which the same
+        values make the same. Users' guards always go through the engine."""
         source = self.state
-        self.ctx.notes.fired = None
+        notes = self.ctx.notes
+        notes.fired, notes.tried = None, []
         guards = self.compiled.pure_guards.get(source)
-        key = (source, tuple(g(self.ctx) for g in guards)) if guards is not None else None
-        index = self.compiled.decisions.get(key) if key is not None else None
-        if index is not None:
+        key = (source, _guard_values(guards, self.ctx)) if guards is not None else None
+        decided = self.compiled.decisions.get(key) if key is not None else None
+        if decided is not None:
+            index = decided[0]
             self.compiled.on_fire[index](self.ctx)
+            notes.tried = list(decided[1])  # the same values: the same checks, in order
         else:
             index = self._send(source)
             if key is not None:
-                self.compiled.decisions[key] = index
+                self.compiled.decisions[key] = (index, tuple(notes.tried))
         target = self._landing(index)
         if self._sm is not None and self._sm.current_state_value != target:
             self._sm.current_state_value = target  # the engine went to the static target
@@ -189,6 +210,7 @@ class Machine:
         if spec.has_compound:
             paths = {"path_from": spec.state_path(source), "path_to": spec.state_path(self.state)}
         edge = spec.catch_edge(index)
+        tried = tuple(self.ctx.notes.tried)
         if edge is not None:
             return FiredTransition(
                 index,
@@ -199,10 +221,19 @@ class Machine:
                 self.is_final,
                 catch=edge.error,
                 **paths,
+                tried=tried,
             )
         t = spec.transitions[index]
         return FiredTransition(
-            index, t.source, t.target, t.label(), t.reason, self.is_final, **paths, choice=t.choice
+            index,
+            t.source,
+            t.target,
+            t.label(),
+            t.reason,
+            self.is_final,
+            **paths,
+            choice=t.choice,
+            tried=tried,
         )
 
     def _send(self, source: str) -> int:
@@ -265,8 +296,9 @@ class CompiledWorkflow:
         self.on_fire: dict[int, Callable[[RunContext], None]] = {}
         """Each transition's `on` callback (by index), run when a decision is taken again."""
         self.targets: dict[int, str] = {}
-        self.pure_guards: dict[str, tuple[Callable[[RunContext], bool], ...]] = {}
-        """The guards of each state whose guards are all built-in, in the engine's order."""
+        self.pure_guards: dict[str, tuple[tuple[tuple[Guard, ...], tuple[Guard, ...]], ...]] = {}
+        """The (cond, unless) guards of each edge tried in a state whose guards are all
+        built-in, in the engine's order."""
         for sid, sdef in states.items():
             defs = sdef.get("transitions", [])
             for td in defs:
@@ -275,14 +307,17 @@ class CompiledWorkflow:
             tried = edges_tried(spec, sid) if sid in spec.states else []
             if not any(spec.transitions[i].has_user_guard for i in tried):
                 self.pure_guards[sid] = tuple(
-                    g for td in defs for g in (*td.get("cond", ()), *td.get("unless", ()))
+                    (tuple(td.get("cond", ())), tuple(td.get("unless", ()))) for td in defs
                 )
+            for td in defs:  # after: the decision cache's key is of the guards themselves
+                _trace(td, spec)
         self.waits: dict[str, Waits] = _waits(spec)
         """The waiting states (no action; edges on events or timers) and what they wait for."""
         self.deadlines = deadline_edges(spec)
         """The compound states with `after:` edges, and those edges (see deadlines.py)."""
-        self.decisions: dict[tuple[str, tuple[bool, ...]], int] = {}
-        """(state, its guards' values) → the transition the engine fired for them."""
+        self.decisions: dict[tuple[str, tuple[bool | None, ...]], tuple[int, Tried]] = {}
+        """(state, its guards' values) → the transition the engine fired for them, and the
+        checks it evaluated on the way (`FiredTransition.tried`)."""
         self.machine_class = _build_class(spec, states)  # after: the factory consumes `states`
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
@@ -292,25 +327,100 @@ class CompiledWorkflow:
         return Machine(self, ctx, start=start)
 
 
-def _guard_fn(name: str) -> Callable[[RunContext], bool]:
+def _guard_values(
+    edges: tuple[tuple[tuple[Guard, ...], tuple[Guard, ...]], ...], ctx: RunContext
+) -> tuple[bool | None, ...]:
+    """The decision cache's key: each edge's guard values as the engine reads them, in order,
+    each edge's ending at the first that rules it out (a later one is never evaluated there: an
+    event edge's `when:` reading `event.data` is not, while a timer wakes the state)."""
+    values: list[bool | None] = []
+    for conds, unless in edges:
+        for cond in conds:
+            values.append(bool(cond(ctx)))
+            if not values[-1]:
+                break
+        else:
+            for guard in unless:
+                values.append(bool(guard(ctx)))
+                if values[-1]:
+                    break
+        values.append(None)  # the next edge's values
+    return tuple(values)
+
+
+def _labelled(fn: Guard, label: str) -> Guard:
+    """`fn`, named as a step's trace names the check (`FiredTransition.tried`)."""
+    fn.check_label = label  # type: ignore[attr-defined]
+    return fn
+
+
+def _guard_fn(name: str) -> Guard:
     fn = resolve_guard(name)
 
     def guard(model: RunContext) -> bool:
         return bool(fn(model))
 
     guard.__name__ = name.replace(".", "_").replace(":", "_")
-    return guard
+    return _labelled(guard, name)
 
 
-def _mark(index: int) -> Callable[[RunContext], None]:
+def _entry(tried: list[dict[str, Any]], index: int, target: str) -> dict[str, Any]:
+    """The trace's entry of edge `index`: the last one, or a new one when the engine moved on
+    to this edge (it tries each edge once per step, its checks one after another)."""
+    if not tried or tried[-1]["edge"] != index:
+        tried.append({"edge": index, "target": target, "checks": [], "passed": False})
+    return tried[-1]
+
+
+def _traced(fn: Guard, index: int, target: str, label: str, negate: bool) -> Guard:
+    """`fn` as the engine calls it, noting the check and its value in the step's trace
+    (`KernelNotes.tried`); an `unless:` check's value is that of `not <name>`."""
+
+    def check(model: RunContext) -> bool:
+        value = fn(model)
+        entry = _entry(model.notes.tried, index, target)
+        entry["checks"].append({"check": label, "value": bool(value) is not negate})
+        return value
+
+    check.__name__ = getattr(fn, "__name__", "check")
+    return check
+
+
+def _trace(td: dict[str, Any], spec: WorkflowSpec) -> None:
+    """Make the checks of transition definition `td` note themselves in the step's trace."""
+    index = td["on"].fired_index
+    t = spec.transitions[index] if index < len(spec.transitions) else None
+    target = td["on"].declared_target
+    for key, negate in (("cond", False), ("unless", True)):
+        if key in td:
+            td[key] = [
+                _traced(fn, index, target, ("not " if negate else "") + _label(fn, t), negate)
+                for fn in td[key]
+            ]
+
+
+def _label(fn: Guard, t: TransitionSpec | None) -> str:
+    """The check's label: what the compiler gave it, or for the conditions agent.decide puts
+    on its state's edges (workflow/decide.py) the pick, or that no choice was offered."""
+    label = getattr(fn, "check_label", None)
+    if label is not None:
+        return str(label)
+    if t is not None and t.choice is not None:
+        return f"choice {t.choice}"
+    return "no choice offered" if t is not None and not t.is_guarded else fn.__name__
+
+
+def _mark(index: int, target: str) -> Callable[[RunContext], None]:
     def mark_fired(model: RunContext) -> None:
         model.notes.fired = index
+        _entry(model.notes.tried, index, target)["passed"] = True
 
     mark_fired.fired_index = index  # type: ignore[attr-defined]
+    mark_fired.declared_target = target  # type: ignore[attr-defined]
     return mark_fired
 
 
-def _woken_by(index: int, t: TransitionSpec) -> Callable[[RunContext], bool]:
+def _woken_by(index: int, t: TransitionSpec) -> Guard:
     """The condition of an `event:` / `after:` edge: the run is woken by that event, or by
     this edge's timer (see `KernelNotes.trigger`)."""
     wanted: tuple[str, str | int] = ("event", t.event) if t.event is not None else ("timer", index)
@@ -319,25 +429,29 @@ def _woken_by(index: int, t: TransitionSpec) -> Callable[[RunContext], bool]:
         return model.notes.trigger == wanted
 
     woken.__name__ = f"event_{t.event}" if t.event is not None else f"after_{index}"
-    return woken
+    return _labelled(woken, f"event {t.event}" if t.event is not None else f"after {t.after}")
 
 
-def _completed(holds: bool) -> Callable[[RunContext], bool]:
+def _completed(holds: bool) -> Guard:
     """`completed` as tried in one state: whether it is a final child of the edge's source is
     known when compiling (see workflow/compound.py)."""
 
     def completed(model: RunContext) -> bool:
         return holds
 
-    return completed
+    return _labelled(completed, COMPLETED)
 
 
 def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str) -> dict[str, Any]:
     """Edge `index` as tried in `leaf` (its source, or a state inside it); the engine's target
     is where the edge enters (`Machine._landing` moves it on to a state's history)."""
-    td: dict[str, Any] = {"event": EVENT_NAME, "target": spec.entry(t.target), "on": _mark(index)}
+    td: dict[str, Any] = {
+        "event": EVENT_NAME,
+        "target": spec.entry(t.target),
+        "on": _mark(index, t.target),
+    }
 
-    def guard(name: str) -> Callable[[RunContext], bool]:
+    def guard(name: str) -> Guard:
         if name == COMPLETED:
             return _completed(final_child_of(spec, leaf, t.source))
         return _guard_fn(name)
@@ -345,24 +459,12 @@ def _transition_def(index: int, t: TransitionSpec, spec: WorkflowSpec, leaf: str
     conds = [_woken_by(index, t)] if t.waits else []
     conds += [guard(g) for g in t.guard]
     if t.when is not None:
-        conds.append(when_guard(t.when))
-    if conds:  # one callable: the engine evaluates every cond of a list, this stops early
-        td["cond"] = [_all_of(conds)]
+        conds.append(_labelled(when_guard(t.when), f"when: {t.when}"))
+    if conds:
+        td["cond"] = conds
     if t.unless:
         td["unless"] = [guard(g) for g in t.unless]
     return td
-
-
-def _all_of(conds: list[Callable[[RunContext], bool]]) -> Callable[[RunContext], bool]:
-    """The conds of an edge in order, stopping at the first that fails: an `event:` edge's
-    `when:` reading `event.data` is not evaluated while a timer wakes the state."""
-    if len(conds) == 1:
-        return conds[0]
-
-    def all_hold(model: RunContext) -> bool:
-        return all(cond(model) for cond in conds)
-
-    return all_hold
 
 
 def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
@@ -374,11 +476,14 @@ def _catch_def(edge: CatchEdge, state: StateSpec) -> dict[str, Any]:
 
     def route(model: RunContext) -> None:
         model.notes.fired = edge.index
+        _entry(model.notes.tried, edge.index, edge.target)["passed"] = True
         take_failure(model)
 
     route.fired_index = edge.index  # type: ignore[attr-defined]
+    route.declared_target = edge.target  # type: ignore[attr-defined]
 
     caught_here.__name__ = f"catch_{edge.position}_{edge.error}"
+    _labelled(caught_here, edge.label())
     return {"event": EVENT_NAME, "target": edge.target, "cond": [caught_here], "on": route}
 
 

@@ -148,6 +148,10 @@ class KernelNotes:
 
     fired: int | None = None
     """The index of the transition the machine just took (set by its `on` callback)."""
+    tried: list[dict[str, Any]] = field(default_factory=list)
+    """The edges the machine tried in the step it is taking, in order, each with the checks
+    it evaluated and their values (see `FiredTransition.tried`): filled by the compiled
+    guards as the engine calls them."""
     recorded_iteration: int = 0
     """The last iteration whose `iteration.completed` event was written."""
     failure: CaughtError | None = None

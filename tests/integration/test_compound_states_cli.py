@@ -78,6 +78,12 @@ def test_the_issue_example_runs_research_then_report(
     assert completed == {
         "index": 4, "source": "research", "target": "report", "guard": "completed",
         "reason": None, "from": "research.found", "to": "report",
+        "tried": [  # the compound state's edges, in file order: its escalation first
+            {"edge": 0, "target": "terminate", "passed": False,
+             "checks": [{"check": "tool_failed", "value": False}]},
+            {"edge": 4, "target": "report", "passed": True,
+             "checks": [{"check": "completed", "value": True}]},
+        ],
     }  # fmt: skip
 
 

@@ -159,7 +159,7 @@ def test_junit_xml_and_coverage(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [c.get("name") for c in suite] == ["answers_after_a_tool", "tool_keeps_failing"]
     assert "  states      5/5" in ran.out
     assert "  edges       6/12 (50%); missed: think → think [malformed_output and not " in ran.out
-    assert "    evaluate → terminate [done_called]: never true" in ran.out
+    assert "    evaluate → terminate: done_called: never true" in ran.out  # a check per edge
     assert below.code == 1
     assert "edges below --coverage-min 100%" in below.out
 

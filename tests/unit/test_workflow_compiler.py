@@ -196,6 +196,23 @@ def test_fired_transition_labels_and_dict(default: CompiledWorkflow) -> None:
         "target": "think",
         "guard": "malformed_output and not retries_exhausted",
         "reason": None,
+        "tried": [
+            {
+                "edge": 1,
+                "target": "act",
+                "checks": [{"check": "has_tool_calls", "value": False}],
+                "passed": False,
+            },
+            {
+                "edge": 2,
+                "target": "think",
+                "checks": [
+                    {"check": "malformed_output", "value": True},
+                    {"check": "not retries_exhausted", "value": True},
+                ],
+                "passed": True,
+            },
+        ],
     }
 
 
