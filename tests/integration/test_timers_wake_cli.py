@@ -138,3 +138,33 @@ def test_schedule_once_wakes_the_run_and_resumes_it_when_no_worker_runs(
     assert "skipped reminder: pending" in once.err  # its woken dispatch was its active one
     kinds = types(store, run_id)
     assert (kinds.count("timer.fired"), kinds.count("run.resumed")) == (1, 1)
+
+
+def test_cancelling_a_woken_dispatch_says_its_run_still_waits(
+    tmp_path: Path,
+    server: FakeOpenAIServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = str(tmp_path / "runs.db")
+    path = write_config(tmp_path, store)
+    config = load_scheduler_config(path)
+    queue = open_queue(store)
+    try:
+        run_id = first_leg(config, queue, tmp_path, server, monkeypatch)
+        assert wake_once(config, queue) == 1
+        woken = queue.dispatch_of_run(run_id)
+        assert woken is not None
+
+        cancelled = cli(capsys, "dispatches", str(path), "--cancel", woken.dispatch_id[:13])
+
+        assert cancelled.code == 0, cancelled.err
+        assert cancelled.out == (
+            f"cancelled {woken.dispatch_id} (reminder): it was pending after its run's timer "
+            f"woke it; run {run_id} was not resumed and still waits (fsm-kernel resume {run_id} "
+            "fires its timer)\n"
+        )
+        assert wake_once(config, queue) == 0  # a cancelled dispatch is not woken again
+    finally:
+        queue.close()
+    assert types(store, run_id)[-1] == "run.suspended"
