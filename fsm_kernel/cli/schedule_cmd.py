@@ -30,7 +30,9 @@ def register(sub: Any) -> None:
         help="run the persistent agent: cron ticks dispatch the configured agents",
         description="Each tick reads STATE.md, dispatches the enabled agents (with {STATE} in "
         "their prompts) through the dispatch queue, runs up to max_concurrent in parallel as "
-        "kernel runs, and records each as done or failed. Ctrl-C stops gracefully.",
+        "kernel runs, and records each as done or failed. Each tick first wakes the runs whose "
+        "timer is due: a dispatched run's dispatch goes back into the queue, for this scheduler "
+        "or any worker to resume the run. Ctrl-C stops gracefully.",
     )
     p.add_argument("config", metavar="CONFIG", help="scheduler config (YAML)")
     p.add_argument("--once", action="store_true", help="run one cycle now, print it, exit")
@@ -38,11 +40,21 @@ def register(sub: Any) -> None:
     p.add_argument("--base-url", help="model server for every agent (overrides env/workflow)")
     p.add_argument("--model", help="model for every agent")
     p.set_defaults(handler=_lazy("cmd_schedule"))
-    p = sub.add_parser("worker", help="an extra worker that only executes queued dispatches")
+    p = sub.add_parser(
+        "worker",
+        help="an extra worker that only executes queued dispatches",
+        description="Claims and runs the dispatches of a scheduler config, on this host or "
+        "another (a postgresql:// store); a dispatch the scheduler woke because its run's timer "
+        "is due resumes that run. Ctrl-C stops gracefully (twice: abandons running dispatches).",
+    )
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--concurrency", type=int, help="dispatches this worker runs at once")
-    p.add_argument("--base-url")
-    p.add_argument("--model")
+    p.add_argument(
+        "--base-url",
+        help="model server for every agent (overrides env/workflow, and what a "
+        "resumed run recorded)",
+    )
+    p.add_argument("--model", help="model for every agent (a resumed run's too)")
     p.set_defaults(handler=_lazy("cmd_worker"))
     p = sub.add_parser(
         "dispatches",

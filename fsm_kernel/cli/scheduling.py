@@ -17,7 +17,9 @@ from typing import Any
 from fsm_kernel.api import Agent
 from fsm_kernel.bootstrap import RunOptions, load_spec, resolve_workflow
 from fsm_kernel.cli.output import cut
+from fsm_kernel.cli.timer_wake import recorded_spec, timer_waker
 from fsm_kernel.errors import ScheduleError, StoreConflictError
+from fsm_kernel.kernel import RunResult
 from fsm_kernel.scheduler import (
     AgentSpec,
     CycleResult,
@@ -35,6 +37,7 @@ from fsm_kernel.scheduler import (
 )
 from fsm_kernel.telemetry import dispatch_span
 from fsm_kernel.tools.mcp_client import McpServers
+from fsm_kernel.workflow.spec import WorkflowSpec
 
 EXIT_OK, EXIT_FAIL = 0, 1
 _DISPATCH_ID = re.compile(r"[0-9A-Fa-f-]{1,36}")
@@ -44,15 +47,21 @@ logger = logging.getLogger(__name__)
 
 class DispatchRunner:
     """One dispatch = one kernel run of the agent's workflow, recorded in the config's store,
-    with the STATE.md tools added. A dispatch that cannot even start (its workflow does not
-    load, the store is down) fails in the executor with one WARNING line (traceback at -v).
-    Each workflow's MCP servers start once for the process (`aclose` stops them)."""
+    with the STATE.md tools added; a woken dispatch (`resume=` its run, whose timer is due)
+    resumes that run on the definition it recorded, with the same tools, store and hooks. A
+    dispatch that cannot even start (its workflow does not load, the store is down) fails in
+    the executor with one WARNING line (traceback at -v). Each workflow's MCP servers start once
+    for the process (`aclose` stops them)."""
 
     def __init__(self, config: SchedulerConfig, config_path: Path, options: RunOptions) -> None:
         self.config, self.config_path, self.options = config, config_path, options
         self.mcp: dict[str, McpServers] = {}
 
-    async def __call__(self, agent: AgentSpec, prompt: str) -> RunOutcome:
+    async def __call__(
+        self, agent: AgentSpec, prompt: str, /, *, resume: str | None = None
+    ) -> RunOutcome:
+        if resume is not None:
+            return await _resume_agent(self, agent, resume)
         return await _run_agent(self, agent, prompt)
 
     async def aclose(self) -> None:
@@ -69,11 +78,37 @@ def make_runner(config: SchedulerConfig, config_path: Path, options: RunOptions)
 async def _run_agent(runner: DispatchRunner, agent: AgentSpec, prompt: str) -> RunOutcome:
     # The same public API as `fsm-kernel run` and users' Python code: the workflow's folder is
     # importable (its own `package.module:function` code), the store and client are closed.
-    config, options = runner.config, runner.options
     path = str(_agent_workflow(agent.workflow, runner.config_path))
-    spec = load_spec(path)
-    servers = runner.mcp.setdefault(path, McpServers(spec.mcp_servers))
-    workflow = Agent(
+    workflow = _agent(runner, load_spec(path), path)
+    async with workflow:
+        with dispatch_span(agent.agent_id):  # the run joins the dispatch's trace
+            result = await workflow.run(prompt)
+    return _outcome(result)
+
+
+async def _resume_agent(runner: DispatchRunner, agent: AgentSpec, run_id: str) -> RunOutcome:
+    """Continue the run of a woken dispatch (as `fsm-kernel resume RUN_ID` would: its timer
+    fires), on the definition it recorded, with the settings it recorded; the worker's --model
+    and --base-url, when given, override them (and are recorded), as for a new run."""
+    spec, path = await asyncio.to_thread(recorded_spec, runner.config.store, run_id)
+    options = runner.options
+    given: dict[str, Any] = {"model": options.model, "base_url": options.base_url}
+    workflow = _agent(runner, spec, path)
+    async with workflow:
+        with dispatch_span(agent.agent_id):
+            result = await workflow.resume(
+                run_id, **{name: value for name, value in given.items() if value is not None}
+            )
+    return _outcome(result)
+
+
+def _agent(runner: DispatchRunner, spec: WorkflowSpec, path: str) -> Agent:
+    """An Agent for one dispatch: the config's store, timeout, hooks and STATE.md tools, the
+    worker's model flags, and the process's MCP servers for this workflow's declaration."""
+    config, options = runner.config, runner.options
+    declared = {name: server.model_dump(mode="json") for name, server in spec.mcp_servers.items()}
+    key = f"{path}\n{json.dumps(declared, sort_keys=True)}"  # a pinned older text: its own
+    return Agent(
         spec,
         model=options.model,
         base_url=options.base_url,
@@ -81,11 +116,11 @@ async def _run_agent(runner: DispatchRunner, agent: AgentSpec, prompt: str) -> R
         tools=state_tools(config.state_file),
         store=config.store,
         notify=config.run_hooks(),
-        mcp_servers=servers,
+        mcp_servers=runner.mcp.setdefault(key, McpServers(spec.mcp_servers)),
     )
-    async with workflow:
-        with dispatch_span(agent.agent_id):  # the run joins the dispatch's trace
-            result = await workflow.run(prompt)
+
+
+def _outcome(result: RunResult) -> RunOutcome:
     return RunOutcome(
         ok=result.ok,
         run_id=result.run_id,
@@ -186,9 +221,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     config, queue, runner = _setup(args)
 
     async def go() -> CycleResult | None:
-        from fsm_kernel.cli.timer_wake import timer_waker
-
-        scheduler = Scheduler(config, queue, runner, wake=timer_waker(config),
+        scheduler = Scheduler(config, queue, runner, wake=timer_waker(config, queue=queue),
                               on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
         _install_stop(scheduler.stop)
         try:
@@ -272,6 +305,8 @@ def cmd_dispatches(args: argparse.Namespace) -> int:
 def _row_detail(row: Dispatch) -> str:
     if row.status is DispatchStatus.WAITING:
         return f"waiting for a person: fsm-kernel resume {row.run_id}"
+    if row.status is DispatchStatus.PENDING and row.run_id is not None:
+        return f"woken (its run's timer is due): the next worker resumes run {row.run_id}"
     if row.status is DispatchStatus.RUNNING and row.cancel_requested_at is not None:
         return "cancel requested"
     if row.termination_reason and row.error and row.status is not DispatchStatus.DONE:
@@ -292,6 +327,12 @@ def _cancel(config: SchedulerConfig, queue: DispatchQueue, wanted: str, *, as_js
         print(json.dumps(row.to_dict(), ensure_ascii=False))
     elif row.status is DispatchStatus.CANCELLED and row.started_at is None:
         print(f"cancelled {row.dispatch_id} ({row.agent_id}): it was pending and never ran")
+    elif row.status is DispatchStatus.CANCELLED and row.worker_id is None:
+        print(
+            f"cancelled {row.dispatch_id} ({row.agent_id}): it was pending after its run's timer "
+            f"woke it; run {row.run_id} was not resumed and still waits (fsm-kernel resume "
+            f"{row.run_id} fires its timer)"
+        )
     elif row.status is DispatchStatus.CANCELLED:
         print(
             f"cancelled {row.dispatch_id} ({row.agent_id}): the lease of worker "

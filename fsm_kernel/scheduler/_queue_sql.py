@@ -25,6 +25,7 @@ from fsm_kernel.protocol import Clock, new_id
 from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
     CANCELLED_PENDING,
+    CANCELLED_WOKEN,
     COLUMNS,
     DEFAULT_MAX_ATTEMPTS,
     LEGACY_COLUMNS,
@@ -42,6 +43,7 @@ from fsm_kernel.scheduler.queue import (
     require_aware,
     tick_key,
     validate_final_status,
+    wake_refused,
 )
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "notify_item",
     "reap_update",
     "sqlite_ts",
+    "wake_update",
     "with_notify",
 ]
 
@@ -206,6 +209,8 @@ class Dialect:
         ON {TABLE} (kernel_id, lease_expires_at) WHERE status = 'running'""",
             f"""CREATE INDEX IF NOT EXISTS {TABLE}_recent
         ON {TABLE} (kernel_id, created_at DESC, dispatch_id DESC)""",
+            f"""CREATE INDEX IF NOT EXISTS {TABLE}_run
+        ON {TABLE} (run_id) WHERE run_id IS NOT NULL""",
             f"""CREATE TABLE IF NOT EXISTS scheduler_ticks (
         kernel_id TEXT NOT NULL,
         tick_at {ts} NOT NULL,
@@ -229,6 +234,11 @@ class Dialect:
         kernel and cancelled)."""
         return f"{reap_update(self.n)}\n{RETURNING}"
 
+    @cached_property
+    def wake(self) -> str:
+        """Make the waiting dispatch of a run (the one placeholder) pending again."""
+        return f"{wake_update(self.param)}\n{RETURNING}"
+
     def claim(self, name: Callable[[str], str]) -> str:
         """The claim's UPDATE, `name` turning a parameter's name into its placeholder."""
         return claim_update(name, self.compound_member)
@@ -246,6 +256,19 @@ def reap_update(name: Callable[[str], str]) -> str:
     finished_at = {now}, lease_expires_at = NULL
 WHERE kernel_id = {kernel} AND status = 'running' AND lease_expires_at <= {now}
     AND (attempts >= max_attempts OR cancel_requested_at IS NOT NULL)"""
+
+
+def wake_update(p: str) -> str:
+    """The UPDATE (without RETURNING) that makes the waiting dispatch of a run (placeholder `p`)
+    pending again, unless its agent has a pending or running dispatch (the one-active index would
+    refuse it): worker, lease and outcome cleared, attempts restarted (see queue.py), run_id,
+    priority and creation time kept."""
+    return f"""UPDATE {TABLE} SET status = 'pending', worker_id = NULL, lease_expires_at = NULL,
+    attempts = 0, termination_reason = NULL, error = NULL, finished_at = NULL,
+    cancel_requested_at = NULL
+WHERE run_id = {p} AND status = 'waiting' AND NOT EXISTS (
+    SELECT 1 FROM {TABLE} AS active WHERE active.kernel_id = {TABLE}.kernel_id
+    AND active.agent_id = {TABLE}.agent_id AND active.status IN ('pending', 'running'))"""
 
 
 def reclaimable_sql(now: str) -> str:
@@ -362,6 +385,8 @@ class SqlDispatchQueue:
     clock: Clock
     _schema_where = ""
     """Prefixed to the message of a schema that is too new (SQLite names its file)."""
+    _unique_violations: tuple[type[Exception], ...] = ()
+    """The driver's errors for a row a unique index refuses (caught where that is an answer)."""
 
     def _read(self) -> AbstractContextManager[Executor]:
         raise NotImplementedError
@@ -550,10 +575,45 @@ class SqlDispatchQueue:
                 return None  # an event log without a dispatch queue
             row = conn.execute(
                 f"UPDATE {TABLE} SET status = {p}, termination_reason = {p}, error = {p}, "
-                f"finished_at = {p} WHERE run_id = {p} AND status = 'waiting' {RETURNING}",
+                f"finished_at = {p} WHERE run_id = {p} AND status IN ('waiting', 'pending') "
+                f"{RETURNING}",  # pending with a run: woken, not yet claimed
                 (final.value, termination_reason, error, finished, run_id),
             ).fetchone()
         return Dispatch.from_row(row) if row is not None else None
+
+    def wake_waiting(self, run_id: str) -> Dispatch | None:
+        d, p = self.dialect, self.dialect.param
+        wake = d.notify(d.wake, "enqueued")  # idle workers look at once
+        with self._write() as conn:
+            if conn.execute(d.table_exists, (TABLE,)).fetchone() is None:
+                return None  # an event log without a dispatch queue
+            try:
+                row = conn.execute(wake, (run_id,)).fetchone()
+            except self._unique_violations:  # its agent's dispatch enqueued meanwhile (PG)
+                row = None
+            if row is not None:
+                return Dispatch.from_row(row)
+            waiting = conn.execute(
+                f"{SELECT} WHERE run_id = {p} AND status = 'waiting'", (run_id,)
+            ).fetchone()
+            if waiting is None:
+                return None
+            blocking = conn.execute(
+                f"{SELECT} WHERE kernel_id = {p} AND agent_id = {p} "
+                "AND status IN ('pending', 'running')",
+                (waiting["kernel_id"], waiting["agent_id"]),
+            ).fetchone()
+        raise wake_refused(
+            Dispatch.from_row(waiting), Dispatch.from_row(blocking) if blocking else None
+        )
+
+    def dispatch_of_run(self, run_id: str) -> Dispatch | None:
+        d, p = self.dialect, self.dialect.param
+        with self._read() as conn:
+            if conn.execute(d.table_exists, (TABLE,)).fetchone() is None:
+                return None
+            row = conn.execute(f"{SELECT} WHERE run_id = {p}", (run_id,)).fetchone()
+        return Dispatch.from_row(row) if row else None
 
     def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
         d, p = self.dialect, self.dialect.param
@@ -670,11 +730,8 @@ def _cancel_update(
     notification it sends."""
     p, at = d.param, d.to_db_ts(now)
     if current.status is DispatchStatus.PENDING:
-        return (
-            f"status = 'cancelled', error = {p}, finished_at = {p}",
-            (CANCELLED_PENDING, at),
-            "ended",
-        )
+        why = CANCELLED_PENDING if current.run_id is None else CANCELLED_WOKEN
+        return f"status = 'cancelled', error = {p}, finished_at = {p}", (why, at), "ended"
     if current.lease_expires_at is not None and current.lease_expires_at <= now:
         return (
             f"status = 'cancelled', error = {p}, finished_at = {p}, lease_expires_at = NULL, "

@@ -12,9 +12,9 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.notify import DispatchNotifier
@@ -55,11 +55,20 @@ class RunOutcome:
     termination_reason: str | None = None
     error: str | None = None
     waiting: bool = False
-    """The run suspended until a person answers (`fsm-kernel resume` completes it)."""
+    """The run suspended until a person answers or an event or timer comes (`fsm-kernel
+    resume` completes it; the scheduler wakes it when its timer is due)."""
 
 
-AgentRunner = Callable[[AgentSpec, str], Awaitable[RunOutcome]]
-"""Runs one agent's workflow with the final prompt (STATE.md already injected)."""
+class AgentRunner(Protocol):
+    """Runs one agent's workflow with the final prompt (STATE.md already injected); called as
+    `runner(agent, prompt)`. A dispatch that already has a run (woken when that run's timer was
+    due) is called as `runner(agent, prompt, resume=run_id)`: continue the recorded run rather
+    than start one, and report it the same way (a runner that never meets woken dispatches may
+    take just the two arguments)."""
+
+    def __call__(
+        self, agent: AgentSpec, prompt: str, /, *, resume: str | None = None
+    ) -> Awaitable[RunOutcome]: ...
 
 
 class ExecutionStatus(StrEnum):
@@ -68,7 +77,8 @@ class ExecutionStatus(StrEnum):
     CANCELLED = "cancelled"
     """Stopped on request (`dispatches --cancel`); the run ends with the reason `cancelled`."""
     WAITING = "waiting"
-    """The run waits for a person; the worker is free and `fsm-kernel resume` completes it."""
+    """The run waits for a person, an event or a timer; the worker is free and `fsm-kernel
+    resume` completes it (the scheduler wakes it once its timer is due)."""
     ABANDONED = "abandoned"
     """Stopped mid-run on purpose; the lease is left to expire so another worker reclaims it."""
     LOST = "lost"
@@ -279,7 +289,7 @@ class DispatchExecutor:
         watch = _Watch(self.config.timeout_seconds)
         cancel = self._cancels[dispatch.dispatch_id] = _CancelFlag(watch.wake)
         self._watches.add(watch)
-        run = asyncio.create_task(_invoke(self.runner, agent, dispatch.prompt))
+        run = asyncio.create_task(_invoke(self.runner, agent, dispatch))
         run.add_done_callback(watch.wake)
         watch.start_beats(
             self.config.heartbeat_interval, lambda: self._heartbeats(dispatch, cancel)
@@ -339,6 +349,8 @@ class DispatchExecutor:
     async def _finish(
         self, dispatch: Dispatch, outcome: RunOutcome, cancel_requested: bool
     ) -> DispatchDetail:
+        if outcome.run_id is None and dispatch.run_id is not None:  # a resume that failed
+            outcome = replace(outcome, run_id=dispatch.run_id)  # still the dispatch's run
         if outcome.ok:
             status = ExecutionStatus.DONE
         elif outcome.waiting and not cancel_requested:
@@ -382,9 +394,18 @@ class DispatchExecutor:
         return _detail(dispatch, status, outcome=outcome)
 
 
-async def _invoke(runner: AgentRunner, agent: AgentSpec, prompt: str) -> RunOutcome:
-    """The runner's awaitable as a coroutine, which create_task needs."""
-    return await runner(agent, prompt)
+async def _invoke(runner: AgentRunner, agent: AgentSpec, dispatch: Dispatch) -> RunOutcome:
+    """The runner's awaitable as a coroutine, which create_task needs: a new run, or the
+    dispatch's own run resumed (a woken dispatch: see DispatchQueue.wake_waiting)."""
+    if dispatch.run_id is None:
+        return await runner(agent, dispatch.prompt)
+    logger.info(
+        "dispatch %s (%s): resuming its run %s",
+        dispatch.dispatch_id,
+        agent.agent_id,
+        dispatch.run_id,
+    )
+    return await runner(agent, dispatch.prompt, resume=dispatch.run_id)
 
 
 def _outcome(inner: asyncio.Task[RunOutcome], dispatch: Dispatch) -> RunOutcome:

@@ -171,6 +171,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     `max_concurrent` with dispatches pending (always, when it is not given)."""
 
     dialect = POSTGRES
+    _unique_violations = (psycopg.errors.UniqueViolation,)
 
     def __init__(self, dsn: str, *, clock: Clock | None = None) -> None:
         self.dsn = dsn

@@ -15,6 +15,12 @@ Lease semantics, shared by both adapters:
   run and completes the dispatch as cancelled; if its lease runs out first it is marked
   cancelled, never reclaimed;
 - one active (pending or running) dispatch per (kernel_id, agent_id), enforced by a unique index;
+- a dispatch whose run suspended is `waiting` (run_id set); when that run waits for a timer that
+  is due, `wake_waiting` makes it pending again (worker and lease cleared, run_id kept, attempts
+  restarted at 0 so the woken leg has the whole `max_attempts`, which is unchanged; it keeps its
+  priority and creation time, so it is claimed before newer dispatches of its priority), and the
+  worker that claims it resumes the run instead of starting one. Refused (it stays waiting) while
+  its agent has a newer pending or running dispatch: the one-active index allows one;
 - claims read partial indexes over pending and running rows only, so their cost does not grow
   with the finished history;
 - time comes from the injected Clock, never from the database.
@@ -70,8 +76,9 @@ class DispatchStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     WAITING = "waiting"
-    """Its run waits for a person (approval, input): the worker and the agent are free; a
-    later `fsm-kernel resume` of the run completes it (done or failed)."""
+    """Its run waits for a person (approval, input) or an event or timer: the worker and the
+    agent are free; a later `fsm-kernel resume` of the run completes it (done or failed), or
+    the scheduler wakes it (pending again) once the run's timer is due."""
 
 
 ACTIVE_STATUSES = frozenset({DispatchStatus.PENDING, DispatchStatus.RUNNING})
@@ -106,6 +113,10 @@ LEGACY_COLUMNS: tuple[str, ...] = tuple(
 _TIME_COLUMNS = ("lease_expires_at", "created_at", "started_at", "finished_at")
 
 CANCELLED_PENDING = "cancelled while pending: it never ran"
+CANCELLED_WOKEN = (
+    "cancelled while pending after its run's timer woke it: the run was not resumed and still "
+    "waits (fsm-kernel resume fires its timer)"
+)
 CANCELLED_EXPIRED = "cancelled: its worker's lease expired before it stopped the run"
 CANCELLED_RUNNING = "cancelled on request"
 
@@ -182,8 +193,9 @@ class Completion:
 
 @dataclass(frozen=True)
 class QueueSignal:
-    """A notification from the queue: `enqueued`, `ended` (a slot may be free), `cancel` (a
-    running dispatch should stop), or `reconnected` (notifications may have been missed)."""
+    """A notification from the queue: `enqueued` (a woken dispatch too), `ended` (a slot may be
+    free), `cancel` (a running dispatch should stop), or `reconnected` (notifications may have
+    been missed)."""
 
     kind: str
     kernel_id: str
@@ -303,7 +315,20 @@ class DispatchQueue(Protocol):
         error: str | None = None,
     ) -> Dispatch | None:
         """Record how the run of a `waiting` dispatch ended after a resume (done or failed);
-        None when no dispatch waits on that run."""
+        also of a woken one still pending (a person resumed the run before any worker claimed
+        it). None when no dispatch waits on that run."""
+        ...
+
+    def wake_waiting(self, run_id: str) -> Dispatch | None:
+        """Make the `waiting` dispatch of run `run_id` pending again (its timer is due), for any
+        worker to claim and resume the run; notifies idle workers like an enqueue. Returns the
+        pending row; None when no dispatch waits on that run (already woken, finished, or the run
+        was not started by a dispatch). StoreConflictError when its agent has another pending or
+        running dispatch (one active dispatch per agent): it stays waiting, to be woken later."""
+        ...
+
+    def dispatch_of_run(self, run_id: str) -> Dispatch | None:
+        """The dispatch whose run is `run_id`, whatever its status; None if none is."""
         ...
 
     def cancel(self, kernel_id: str, dispatch_id: str) -> Dispatch | None:
@@ -436,6 +461,19 @@ def already_finished(dispatch: Dispatch) -> StoreConflictError:
     return StoreConflictError(
         f"dispatch {dispatch.dispatch_id} ({dispatch.agent_id}) has already finished: "
         f"{dispatch.status.value}"
+    )
+
+
+def wake_refused(waiting: Dispatch, active: Dispatch | None) -> StoreConflictError:
+    """The error for a waiting dispatch not woken because its agent has an active dispatch."""
+    other = (
+        f"dispatch {active.dispatch_id} is {active.status.value}"
+        if active is not None
+        else "another dispatch is active"
+    )
+    return StoreConflictError(
+        f"dispatch {waiting.dispatch_id} (run {waiting.run_id}) stays waiting: its agent "
+        f"{waiting.agent_id} has one active dispatch at a time and {other}"
     )
 
 

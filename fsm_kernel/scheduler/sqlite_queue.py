@@ -42,6 +42,7 @@ class SqliteDispatchQueue(SqlDispatchQueue):
     one host."""
 
     dialect = SQLITE
+    _unique_violations = (sqlite3.IntegrityError,)
 
     def __init__(self, path: str | Path, *, clock: Clock | None = None) -> None:
         self.path = Path(path).expanduser()
