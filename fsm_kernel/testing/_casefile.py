@@ -58,18 +58,38 @@ class CallSpec(_Model):
 
 
 class ReplySpec(_Model):
-    """One reply of the model: text, tool calls, or both."""
+    """One reply of the model: text (or `json:`, a value sent as its JSON text), tool calls,
+    both; or `error:`, the model server failing instead of answering."""
 
     text: str | None = None
+    json_value: Any = Field(default=None, alias="json")
     tool_calls: list[CallSpec] | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = Field(
         default=None, description="`length`: the reply was cut off by the model's token limit"
     )
+    error: str | None = Field(
+        default=None,
+        description="The model server fails with this message instead of answering: with "
+        "`status:` an HTTP error (5xx, 408, 409 and 429 are retried; others are not), without "
+        "it the server could not be reached",
+    )
+    status: int | None = Field(default=None, ge=400, le=599)
 
     @model_validator(mode="after")
     def _something(self) -> ReplySpec:
-        if self.text is None and not self.tool_calls:
-            raise ValueError("a reply needs `text:` or `tool_calls:`")
+        given = sum(
+            (self.text is not None, "json_value" in self.model_fields_set, bool(self.tool_calls))
+        )
+        if self.error is not None:
+            if given:
+                raise ValueError("a reply is an answer or an `error:`, not both")
+            return self
+        if self.status is not None:
+            raise ValueError("`status:` goes with `error:`")
+        if not given:
+            raise ValueError("a reply needs `text:`, `json:`, `tool_calls:` or `error:`")
+        if self.text is not None and "json_value" in self.model_fields_set:
+            raise ValueError("give `text:` or `json:`, not both")
         return self
 
 
@@ -145,6 +165,10 @@ class ExpectSpec(_Model):
     output: Any = None
     vars: dict[str, Any] | None = None
     iterations: int | None = Field(default=None, ge=0)
+    tools_called: list[str] | None = Field(
+        default=None, description="The tools the run called, in order (each call once)"
+    )
+    error_contains: str | None = Field(default=None, description="Text the run's error holds")
     waiting_for: str | None = Field(
         default=None, description="What a waiting run waits for: approval, input or event"
     )
@@ -164,6 +188,11 @@ class CaseSpec(_Model):
         "asking the same scripted model)",
     )
     limits: dict[str, Any] = Field(default_factory=dict)
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="Files to put in the scratch workspace the unscripted tools run in: "
+        "relative path -> text",
+    )
     expect: ExpectSpec
 
 

@@ -12,7 +12,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_kernel.errors import ConfigError, FsmKernelError
+from fsm_kernel.errors import (
+    AgentAuthError,
+    AgentBadRequestError,
+    AgentConnectionError,
+    AgentError,
+    AgentHTTPError,
+    AgentRateLimitError,
+    AgentServerError,
+    ConfigError,
+    FsmKernelError,
+)
 from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import Completion, EventType, Message, Tool, ToolCall, ToolResult, Usage
 from fsm_kernel.testing._casefile import (
@@ -86,12 +96,12 @@ def run_case(
     where = str(loaded.where(name))
     started = time.perf_counter()
     try:
-        result = asyncio.run(_run(harness, case))
+        result, unused = asyncio.run(_run(harness, case))
     except (CaseError, ConfigError) as exc:
         message = exc.message if isinstance(exc, FsmKernelError) else str(exc)
         return CaseResult(str(loaded.path), name, where, False, message, broken=True)
     seconds = time.perf_counter() - started
-    difference = first_difference(harness, case.expect, result)
+    difference = first_difference(harness, case.expect, result) or unused
     return CaseResult(
         str(loaded.path), name, where, difference is None, difference, seconds=seconds, run=result
     )
@@ -105,8 +115,10 @@ class CaseError(Exception):
         return str(self)
 
 
-async def _run(harness: WorkflowHarness, case: CaseSpec) -> RunResult:
-    with build_case_tools(harness.spec) as (real, names):
+async def _run(harness: WorkflowHarness, case: CaseSpec) -> tuple[RunResult, str | None]:
+    """The case's run, and what it scripted that the run never used (a case that scripts
+    more than happens says something untrue about the run)."""
+    with build_case_tools(harness.spec, case.files) as (real, names):
         unknown = sorted(set(case.tools) - set(names))
         if unknown:
             raise CaseError(
@@ -114,14 +126,29 @@ async def _run(harness: WorkflowHarness, case: CaseSpec) -> RunResult:
                 f"(it offers: {', '.join(sorted(names)) or 'none'})"
             )
         tools = _CaseTools(real, names, case.tools)
-        return await harness.arun(
+        model = _CaseModel(case.model)
+        answers = _CaseAnswers([_answer(harness, a) for a in case.answers])
+        result = await harness.arun(
             case.prompt,
-            model=_CaseModel(case.model),
+            model=model,
             tools=tools,
-            human=_CaseAnswers([_answer(harness, a) for a in case.answers]),
+            human=answers,
             limits=case.limits or None,
             children=None if case.children is None else _CaseChildren(case.children),
         )
+    return result, _unused(model, tools, answers)
+
+
+def _unused(model: _CaseModel, tools: _CaseTools, answers: _CaseAnswers) -> str | None:
+    if model.asked < len(model.replies):
+        return f"model: {len(model.replies) - model.asked} scripted reply(ies) never asked for"
+    for name, script in tools.scripts.items():
+        if tools.attempts.get(name, 0) < len(script):
+            left = len(script) - tools.attempts.get(name, 0)
+            return f"tools: {name}: {left} scripted result(s) never used"
+    if answers.answers:
+        return f"answers: {len(answers.answers)} scripted answer(s) never asked for"
+    return None
 
 
 # -- the scripted collaborators ------------------------------------------------------------
@@ -142,6 +169,8 @@ class _CaseModel:
             raise CaseModelError("the model was asked, but the case scripts no `model:` reply")
         reply = self.replies[min(self.asked, len(self.replies) - 1)]
         self.asked += 1
+        if reply.error is not None:
+            raise _failure(reply)
         return _completion(reply, self.asked)
 
 
@@ -149,11 +178,29 @@ class CaseModelError(FsmKernelError):
     """The case's model has nothing to answer."""
 
 
+def _failure(reply: ReplySpec) -> AgentError:
+    """The model server's failure a reply scripts (`error:`, with `status:` an HTTP one)."""
+    message, status = str(reply.error), reply.status
+    if status is None:
+        return AgentConnectionError(message)
+    kind: type[AgentHTTPError] = AgentBadRequestError
+    if status >= 500 or status in (408, 409):
+        kind = AgentServerError
+    elif status == 429:
+        kind = AgentRateLimitError
+    elif status in (401, 403):
+        kind = AgentAuthError
+    return kind(message, status_code=status)
+
+
 def _completion(reply: ReplySpec, n: int) -> Completion:
     calls = [
         _call(c.name, c.arguments, f"call_{n}_{i}") for i, c in enumerate(reply.tool_calls or ())
     ]
-    message = Message.assistant(reply.text or "", calls)
+    text = reply.text if reply.text is not None else ""
+    if "json_value" in reply.model_fields_set:
+        text = json.dumps(reply.json_value, ensure_ascii=False)
+    message = Message.assistant(text, calls)
     finish = reply.finish_reason or ("tool_calls" if calls else "stop")
     return Completion(message=message, finish_reason=finish, usage=Usage())
 
@@ -346,6 +393,21 @@ def _output(expect: ExpectSpec, result: RunResult) -> str | None:
     return f"output: expected {json.dumps(expect.output)}, got {json.dumps(result.output)}"
 
 
+def _tools_called(expect: ExpectSpec, result: RunResult) -> str | None:
+    if expect.tools_called is None:
+        return None
+    called = [record.call.name for record in result.tool_calls]
+    if called == expect.tools_called:
+        return None
+    return f"tools called: expected {expect.tools_called}, got {called}"
+
+
+def _error(expect: ExpectSpec, result: RunResult) -> str | None:
+    if expect.error_contains is None or expect.error_contains in (result.error or ""):
+        return None
+    return f"error: expected it to contain {expect.error_contains!r}, got {result.error!r}"
+
+
 def _iterations(expect: ExpectSpec, result: RunResult) -> str | None:
     if expect.iterations is None or expect.iterations == result.iterations:
         return None
@@ -376,7 +438,17 @@ def _assigned(result: RunResult) -> Iterator[tuple[str, Any]]:
             yield str(e.data["name"]), e.data.get("value")
 
 
-_CHECKS = (_status, _reason, _waiting, _response, _output, _iterations, _vars)
+_CHECKS = (
+    _status,
+    _reason,
+    _error,
+    _waiting,
+    _response,
+    _output,
+    _tools_called,
+    _iterations,
+    _vars,
+)
 
 
 def _cut(text: str, limit: int = 80) -> str:

@@ -102,6 +102,8 @@ class _Outcome:
     question: Question | None = None
     child: str | None = None
     """The workflow of the child run asked for when the script had no outcome left for it."""
+    ran: set[int] = field(default_factory=set)
+    """The steps whose tool call ran (a call a person rejected never runs: no result used)."""
 
 
 @dataclass
@@ -226,9 +228,11 @@ class _Search:
     # -- one run ------------------------------------------------------------------------
 
     def _try(self, script: tuple[Step, ...], limits: Mapping[str, Any]) -> _Outcome:
-        replies = [s for s in script if s.reply is not None]
+        replies = [(i, s) for i, s in enumerate(script) if s.reply is not None]
         answers = [s.answer for s in script if s.answer is not None]
-        results = [s.tool_result for s in script if s.tool_result is not None]
+        results = {
+            f"gen_{i}": s.tool_result[1] for i, s in enumerate(script) if s.tool_result is not None
+        }
         children = [s.child for s in script if s.child is not None]
         pending: dict[str, Any] = {}
 
@@ -236,15 +240,17 @@ class _Search:
             if not replies:
                 pending.setdefault("request", (messages, tools))  # the first one: where to extend
                 raise _OutOfScript
-            return _completion(replies.pop(0).reply or {})
+            position, step = replies.pop(0)
+            return _completion(step.reply or {}, f"gen_{position}")
 
         model = _Model(reply, pending)
         human = _Human([_human_answer(a) for a in answers], pending)
+        tools = _ScriptedTools(self.harness, results)
         result = asyncio.run(
             self.harness.arun(
                 "Generated case",
                 model=model,
-                tools=_ScriptedTools(self.harness, results),
+                tools=tools,
                 limits=limits,
                 human=human,
                 children=_ScriptedChildren(children, pending),
@@ -258,6 +264,7 @@ class _Search:
             status=result.status,
             reason=None if result.termination_reason is None else str(result.termination_reason),
             response=result.response or "",
+            ran={int(call_id.removeprefix("gen_")) for call_id in tools.ran},
         )
         if "child" in pending:
             outcome.child = pending["child"]
@@ -324,8 +331,8 @@ class _Search:
         case: dict[str, Any] = {"prompt": "Generated case"}
         case["model"] = [_Flow(s.reply) for s in script if s.reply is not None] or [_Flow(text="-")]
         tools: dict[str, list[dict[str, Any]]] = {}
-        for s in script:
-            if s.tool_result is not None:
+        for i, s in enumerate(script):
+            if s.tool_result is not None and i in outcome.ran:
                 tools.setdefault(s.tool_result[0], []).append(_Flow(s.tool_result[1]))
         if tools:
             case["tools"] = tools
@@ -450,17 +457,19 @@ class _ScriptedChildren:
 class _ScriptedTools:
     """Each tool call gets the next scripted result (in the order calls run)."""
 
-    def __init__(self, harness: WorkflowHarness, results: list[tuple[str, Mapping[str, Any]]]):
+    def __init__(self, harness: WorkflowHarness, results: Mapping[str, Mapping[str, Any]]):
         from fsm_kernel.bootstrap import RunOptions, build_tools
 
         self.real, self.offered, _ = build_tools(harness.spec, RunOptions(workspace="."))
-        self.results = list(results)
+        self.results = dict(results)
+        self.ran: list[str] = []
 
     def list_tools(self, names: Sequence[str] | None = None) -> list[Tool]:
         return self.real.list_tools(self.offered if names is None else names)
 
     async def execute(self, tool_call: ToolCall) -> ToolResult:
-        scripted = self.results.pop(0)[1] if self.results else {"return": "ok"}
+        scripted = self.results.get(tool_call.id, {"return": "ok"})
+        self.ran.append(tool_call.id)
         if "error" in scripted:
             fatal = bool(scripted.get("fatal"))
             return ToolResult(content=str(scripted["error"]), is_error=True, fatal=fatal)
@@ -544,11 +553,11 @@ def _kind(step: Step) -> str:
     return "answer" if step.answer is not None else json.dumps(step.reply, sort_keys=True)[:40]
 
 
-def _completion(reply: Mapping[str, Any]) -> Completion:
+def _completion(reply: Mapping[str, Any], call_id: str) -> Completion:
     calls = reply.get("tool_calls")
     if calls:
         first = calls[0]
-        return call(str(first["name"]), dict(first.get("arguments") or {}))
+        return call(str(first["name"]), dict(first.get("arguments") or {}), id=call_id)
     return as_completion(str(reply.get("text", "")))
 
 

@@ -516,10 +516,23 @@ def _workspace(given: str | Path | None) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def build_case_tools(spec: WorkflowSpec) -> Iterator[tuple[ToolExecutor, list[str]]]:
-    """The workflow's real tools (built-ins on a scratch workspace, its own) and the names it
-    offers, for a scripted case to run the tools it does not script (see testing/_cases.py)."""
+def build_case_tools(
+    spec: WorkflowSpec, files: Mapping[str, str] | None = None
+) -> Iterator[tuple[ToolExecutor, list[str]]]:
+    """The workflow's real tools (built-ins on a scratch workspace holding `files`, relative
+    path -> text; its own tools) and the names it offers, for a scripted case to run the tools
+    it does not script (see testing/_cases.py).
+
+    Raises:
+        ConfigError: a file's path is absolute or leaves the workspace.
+    """
     with _workspace(None) as root:
+        for name, text in (files or {}).items():
+            target = (root / name).resolve()
+            if Path(name).is_absolute() or not target.is_relative_to(root.resolve()):
+                raise ConfigError(f"files: {name!r} is not a path inside the workspace")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
         registry, offered, _ = build_tools(spec, RunOptions(workspace=str(root)))
         yield registry, offered
 

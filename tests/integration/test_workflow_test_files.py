@@ -258,3 +258,89 @@ def test_generate_lists_the_edges_it_cannot_reach(
     assert made.code == 1
     assert "not reached: review → stopped [done_called]" in made.err
     assert "#   not reached: review → stopped [done_called]" in made.out
+
+
+CATCHING = """\
+name: catching
+initial: think
+states:
+  think:
+    action: agent.think
+    retry: {max_attempts: 1, backoff_seconds: 0}
+    catch:
+      - {error: agent_error, target: apologise}
+  apologise: {action: agent.think, prompt: Apologise briefly.}
+  done: {final: true}
+transitions:
+  - {source: think, target: done, reason: final_answer}
+  - {source: apologise, target: done, reason: final_answer}
+"""
+
+
+def test_model_errors_files_json_tools_called_and_leftovers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path, "catching.yaml", CATCHING)
+    tests = _write(
+        tmp_path,
+        "catching.test.yaml",
+        """\
+workflow: catching.yaml
+cases:
+  the_server_fails_twice_and_is_caught:
+    prompt: hi
+    model:
+      - {error: overloaded, status: 503}
+      - {error: overloaded, status: 503}
+      - {text: Sorry.}
+    expect: {path: [think, apologise, done], response: Sorry.}
+  a_json_reply:
+    prompt: hi
+    model: [{json: {answer: 42}}]
+    expect: {response: '{"answer": 42}'}
+  unreachable_server_is_retried:
+    prompt: hi
+    model: [{error: connection refused}, {text: Hello.}]
+    expect: {path: [think, done], response: Hello.}
+  scripts_more_than_happens:
+    prompt: hi
+    model: [{text: Hello.}, {text: never asked}]
+    expect: {reason: final_answer}
+""",
+    )
+    _write(
+        tmp_path,
+        "files.test.yaml",
+        """\
+workflow: default
+cases:
+  reads_a_seeded_file:
+    prompt: What does a.txt say?
+    files: {a.txt: forty-two}
+    model:
+      - {tool_calls: [{name: read_file, arguments: {path: a.txt}}]}
+      - {text: It says forty-two.}
+    expect: {tools_called: [read_file], reason: final_answer}
+  a_file_outside_the_workspace:
+    prompt: x
+    files: {../escape.txt: no}
+    model: [{text: ok}]
+    expect: {}
+""",
+    )
+
+    ran = cli(capsys, "test", str(tests))
+    files = cli(capsys, "test", str(tmp_path / "files.test.yaml"), "--json")
+
+    lines = [line for line in ran.out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert [line.split()[0] for line in lines] == ["PASS", "PASS", "PASS", "FAIL"]
+    assert lines[-1].endswith(
+        "scripts_more_than_happens: model: 1 scripted reply(ies) never asked for"
+    )
+    outcomes = [c["outcome"] for c in files.json()["cases"]]
+    assert outcomes == ["passed", "broken"]
+    assert (
+        "files: '../escape.txt' is not a path inside the workspace"
+        in files.json()["cases"][1]["difference"]
+    )
+    assert files.code == 2
