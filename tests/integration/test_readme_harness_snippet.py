@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SECTION = "## Testing workflows transition by transition"
+SECTION = "### The Python kit: one transition at a time"
 
 
 def readme_snippet() -> str:
