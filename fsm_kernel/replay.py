@@ -58,6 +58,7 @@ __all__ = [
     "recorded_conversation",
     "replay_run",
     "resume_run",
+    "transition_label",
 ]
 
 logger = logging.getLogger(__name__)
@@ -564,6 +565,10 @@ class ReplayStep:
     iteration: int
     recorded: str | None
     replayed: str | None
+    recorded_event: Event | None = field(default=None, compare=False, repr=False)
+    """The recorded `transition.taken` (its `tried` says which checks decided), if any."""
+    replayed_event: Event | None = field(default=None, compare=False, repr=False)
+    """The replay's `transition.taken` at this step, if any."""
 
     @property
     def same(self) -> bool:
@@ -634,6 +639,11 @@ def _label(event: Event) -> str:
     reason = f" → {d['reason']}" if d.get("reason") else ""
     # full paths where recorded (compound states): which state the run left and entered
     return f"{d.get('from') or d['source']} → {d.get('to') or d['target']}{guard}{reason}"
+
+
+def transition_label(event: Event) -> str:
+    """A `transition.taken` as one line, as replay prints it: `think → act [has_tool_calls]`."""
+    return _label(event)
 
 
 async def replay_run(
@@ -732,6 +742,8 @@ async def _replay(
                 iteration=anchor.iteration if anchor else 0,
                 recorded=_label(rec) if rec else None,
                 replayed=_label(rep) if rep else None,
+                recorded_event=rec,
+                replayed_event=rep,
             )
         )
     report = ReplayReport(
