@@ -110,10 +110,19 @@ def test_replay_all_catches_a_real_regression(
     text = _replay_all(capsys, store, "--workflow", edited)
     data = _replay_all(capsys, store, "--workflow", edited, "--json")
 
+    # With the checks each step tried recorded (transition.taken's `tried`), the guard the
+    # edit added is named; a log without them names the two transitions alone.
+    decided_by = (
+        "done_called: false on edge 1 → act (the recorded run did not check it)"
+        if _records_tried(store, tool_run)
+        else "recorded think → act [has_tool_calls], replayed think → answer (no checks "
+        "recorded to compare)"
+    )
+    by_check = f"; decided by {decided_by}" if "(no checks" not in decided_by else ""
     assert text.code == 1, text.out + text.err
     assert text.out.splitlines() == [
         f"≠ {tool_run} (react): diverged at step 2 (iteration 2): recorded think → act "
-        "[has_tool_calls], replay took think → answer",
+        f"[has_tool_calls], replay took think → answer{by_check}",
         "2 runs replayed: 1 identical, 1 diverged, 0 unreplayable; no model or tool called",
     ]
     assert data.code == 1
@@ -125,7 +134,13 @@ def test_replay_all_catches_a_real_regression(
     assert (divergence["run_id"], divergence["step"]) == (tool_run, 2)
     assert divergence["recorded"] == "think → act [has_tool_calls]"
     assert divergence["replayed"] == "think → answer"
-    assert divergence["decided_by"].startswith("recorded think → act [has_tool_calls], replayed")
+    assert divergence["decided_by"] == decided_by
+
+
+def _records_tried(store: Path, run_id: str) -> bool:
+    with SqliteEventStore(store) as events:
+        taken = [e for e in events.read(run_id) if e.type == EventType.TRANSITION_TAKEN]
+    return "tried" in taken[0].data
 
 
 def test_the_unedited_file_is_no_regression(
