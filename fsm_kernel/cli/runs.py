@@ -42,7 +42,9 @@ def register(sub: Any) -> None:
     """Add the event-log subcommands."""
     from fsm_kernel.cli.commands import add_resume_flags
 
-    runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
+    runs = sub.add_parser(
+        "runs", help="inspect recorded runs (list, show, events, export, coverage)"
+    )
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     p = rsub.add_parser(
         "list",
@@ -162,7 +164,12 @@ def register(sub: Any) -> None:
         metavar="DURATION",
         help="with --all: only the runs started in the last DURATION (90s, 30m, 12h, 7d)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: the replay's steps; with --all the counts and each run that "
+        "diverged (its divergence) or could not be replayed (why)",
+    )
     _store_flag(p)
     p.set_defaults(handler=cmd_replay)
 

@@ -18,12 +18,18 @@ import pytest
 
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import SqliteEventStore
-from tests.clikit import Outcome, cli
+from tests.clikit import Outcome
+from tests.clikit import cli as _cli_of
 from tests.fakes.openai_server import FakeOpenAIServer, call, text_reply, tool_reply
 
 REPO = Path(__file__).resolve().parents[2]
 CHILDREN = REPO / "tests" / "data" / "children"
 THINK_TO_ACT = "{source: think,    target: act,       guard: has_tool_calls}"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> Outcome:
+    """`fsm-kernel ARGS...` in process, paths given as they are."""
+    return _cli_of(capsys, [str(a) for a in args])
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from fsm_kernel import regression
 from fsm_kernel.diagram import HeatOverlay, to_dot
 from fsm_kernel.protocol import Event, EventType, RunFilter
 from fsm_kernel.regression import Divergence, decided_differently, first_divergence, stored_runs
-from fsm_kernel.replay import ReplayReport, ReplayStep
+from fsm_kernel.replay import ReplayReport, ReplayStep, transition_label
 from fsm_kernel.store import SqliteEventStore
 from fsm_kernel.workflow.loader import load_workflow_text
 
@@ -164,7 +164,7 @@ def test_a_step_one_side_did_not_take_has_nothing_to_compare() -> None:
 
 
 def _step(n: int, recorded: Event | None, replayed: Event | None) -> ReplayStep:
-    label = regression.transition_label
+    label = transition_label
     return ReplayStep(
         n,
         n,
