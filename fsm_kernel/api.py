@@ -42,11 +42,11 @@ from fsm_kernel.protocol import (
     ToolCall,
     ToolResult,
 )
+from fsm_kernel.regression import migration_check
 from fsm_kernel.replay import (
     RecordedRun,
     ReplayReport,
     check_answer,
-    migration_check,
     recorded_conversation,
     replay_run,
     resume_run,

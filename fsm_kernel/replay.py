@@ -45,10 +45,10 @@ from fsm_kernel.workflow.children import CallPool, ChildRequest, ChildResult, dr
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.deadlines import recorded_deadlines
 from fsm_kernel.workflow.human import AnsweringChannel, HumanAnswer, kind_text
-from fsm_kernel.workflow.loader import find_workflow, load_workflow, load_workflow_text
-from fsm_kernel.workflow.migrations import Translation, translate_log, translation_between
+from fsm_kernel.workflow.loader import find_workflow, load_workflow
+from fsm_kernel.workflow.migrations import Translation, translate_log
 from fsm_kernel.workflow.output import as_json
-from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+from fsm_kernel.workflow.spec import Limits
 
 __all__ = [
     "RecordedChatModel",
@@ -57,10 +57,10 @@ __all__ = [
     "ReplayChildren",
     "ReplayReport",
     "ReplayStep",
-    "migration_check",
     "recorded_conversation",
     "replay_run",
     "resume_run",
+    "transition_label",
 ]
 
 logger = logging.getLogger(__name__)
@@ -589,49 +589,16 @@ async def _resume_locked(
     return await kernel.drive(ctx, machine, recorder)
 
 
-async def migration_check(
-    store: EventStore, run_id: str, new: WorkflowSpec, *, where: str | None = None
-) -> Translation:
-    """Whether run `run_id` may move to the definition `new`: replaying its recorded steps
-    under `new` (its old state ids renamed as `new`'s `migrations:` declare, its edges matched
-    to `new`'s) decides each recorded transition, and the way its prefix ended, identically.
-    Returns the translation to resume it with (`resume_run(..., migrating=)`).
-
-    Raises:
-        ResumeError: the run ended for good, or `new` decides differently: the first
-            divergence (step and both transitions) in one line; nothing is recorded.
-    """
-    run = RecordedRun.load(store, run_id)
-    name = where or new.path
-    run.refuse_if_ended("migrated")
-    text = run.definition[1]
-    old = load_workflow_text(text, path=name, import_code=False, calls=False) if text else None
-    move = translation_between(old, new) if old is not None else Translation()
-    report = await replay_run(compile_workflow(new), store, run.run_id, migrating=move)
-    first = report.first_divergence
-    if first is not None:
-        raise ResumeError(
-            f"cannot migrate run {run.run_id} to {name}: at step {first.step} (iteration "
-            f"{first.iteration}) it recorded {first.recorded or '(nothing)'}, the new definition "
-            f"takes {first.replayed or '(nothing)'}; nothing was changed",
-            run_id=run.run_id,
-        )
-    if not report.identical:
-        raise ResumeError(
-            f"cannot migrate run {run.run_id} to {name}: its recorded steps ended "
-            f"{report.recorded_reason}, under the new definition {report.replayed_reason}; "
-            "nothing was changed",
-            run_id=run.run_id,
-        )
-    return move
-
-
 @dataclass(frozen=True)
 class ReplayStep:
     step: int
     iteration: int
     recorded: str | None
     replayed: str | None
+    recorded_event: Event | None = field(default=None, compare=False, repr=False)
+    """The recorded `transition.taken` (its `tried` says which checks decided), if any."""
+    replayed_event: Event | None = field(default=None, compare=False, repr=False)
+    """The replay's `transition.taken` at this step, if any."""
 
     @property
     def same(self) -> bool:
@@ -702,6 +669,11 @@ def _label(event: Event) -> str:
     reason = f" → {d['reason']}" if d.get("reason") else ""
     # full paths where recorded (compound states): which state the run left and entered
     return f"{d.get('from') or d['source']} → {d.get('to') or d['target']}{guard}{reason}"
+
+
+def transition_label(event: Event) -> str:
+    """A `transition.taken` as one line, as replay prints it: `think → act [has_tool_calls]`."""
+    return _label(event)
 
 
 async def replay_run(
@@ -807,6 +779,8 @@ async def _replay(
                 iteration=anchor.iteration if anchor else 0,
                 recorded=_label(rec) if rec else None,
                 replayed=_label(rep) if rep else None,
+                recorded_event=rec,
+                replayed_event=rep,
             )
         )
     report = ReplayReport(

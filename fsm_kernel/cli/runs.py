@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,9 @@ def register(sub: Any) -> None:
     """Add the event-log subcommands."""
     from fsm_kernel.cli.commands import add_resume_flags
 
-    runs = sub.add_parser("runs", help="inspect recorded runs (list, show, events, export)")
+    runs = sub.add_parser(
+        "runs", help="inspect recorded runs (list, show, events, export, coverage)"
+    )
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     p = rsub.add_parser(
         "list",
@@ -133,18 +136,90 @@ def register(sub: Any) -> None:
     add_resume_flags(p)
     p.set_defaults(handler=cmd_resume)
 
+    _register_coverage(rsub)
+
     p = sub.add_parser(
         "replay",
-        help="re-run a recorded run from its log and compare transitions",
+        help="re-run a recorded run (or every stored run: --all) from its log and compare "
+        "transitions",
         description="Re-run the workflow with every model answer and tool output "
         "served from the log (no network, no tool side effects). Exit 0 when it "
-        "takes the same transitions, 1 with the first differing step named.",
+        "takes the same transitions, 1 with the first differing step named. --all does it "
+        "for every stored run (its child runs within it), under the definition each recorded "
+        "or --workflow FILE: a summary, each divergence with its run, step and the check that "
+        "decided differently; exit 1 when any run diverged.",
     )
-    p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--workflow", help="an edited workflow to check against the recorded decisions")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("run_id", metavar="RUN_ID", nargs="?", help="the run (not with --all)")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_runs",
+        help="replay every stored top-level run, newest first, each under the workflow text it "
+        "recorded (its child runs are replayed within it); runs still running, and runs whose "
+        "definition no longer loads, are counted unreplayable with why",
+    )
+    p.add_argument(
+        "--workflow",
+        metavar="FILE",
+        help="an edited workflow to check against the recorded decisions, under its own limits; "
+        "with --all only the runs of that workflow (the runs that recorded its name:, child "
+        "runs included unless their parent is one too) are replayed",
+    )
+    p.add_argument(
+        "--since",
+        type=_since,
+        metavar="DURATION",
+        help="with --all: only the runs started in the last DURATION (90s, 30m, 12h, 7d)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: the replay's steps; with --all the counts and each run that "
+        "diverged (its divergence) or could not be replayed (why)",
+    )
     _store_flag(p)
     p.set_defaults(handler=cmd_replay)
+
+
+def _register_coverage(rsub: Any) -> None:
+    p = rsub.add_parser(
+        "coverage",
+        help="over the stored runs of a workflow: edges taken, termination reasons, tokens",
+        description="Over the stored runs of WORKFLOW (every run that recorded its name:, child "
+        "runs included): how often each edge was taken (and the edges never taken), how the "
+        "runs ended, and the tokens the model used in each state. Transitions recorded under "
+        "another version that match no edge of WORKFLOW are counted apart. --format svg draws "
+        "it on the diagram as heat (needs Graphviz's dot).",
+    )
+    p.add_argument("workflow", metavar="WORKFLOW", help="a workflow file or stock name")
+    p.add_argument(
+        "--since",
+        type=_since,
+        metavar="DURATION",
+        help="only the runs started in the last DURATION (90s, 30m, 12h, 7d)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "svg"),
+        default="text",
+        help="text (default), json, or svg: the diagram with each edge as warm and thick as it "
+        "is often taken",
+    )
+    p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    _store_flag(p)
+    p.set_defaults(handler=cmd_runs_coverage)
+
+
+def _since(text: str) -> timedelta:
+    """A --since DURATION: a number and one unit (s, m, h, d)."""
+    from fsm_kernel.workflow.spec import parse_duration
+
+    seconds = parse_duration(text)
+    if seconds is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: a number and one unit, e.g. 90s, 30m, 12h, 7d"
+        )
+    return timedelta(seconds=seconds)
 
 
 def _open(args: argparse.Namespace) -> Any:
@@ -581,7 +656,7 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
 def _migration_target(run: RecordedRun, given: str | None) -> str:
     """Where `--migrate` moves the run: --workflow, else the file at its recorded path (as it
     reads now). Agent.resume(migrate=True) replays the run's recorded steps under it and
-    refuses a definition that decides differently (see replay.migration_check).
+    refuses a definition that decides differently (see regression.migration_check).
 
     Raises:
         ResumeError: the run ended for good, or recorded no path and none was given.
@@ -632,6 +707,16 @@ def _answer(args: argparse.Namespace) -> HumanAnswer | None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from fsm_kernel.bootstrap import load_spec
+    from fsm_kernel.errors import ConfigError
+
+    if args.all_runs:
+        if args.run_id is not None:
+            raise ConfigError("give RUN_ID or --all, not both")
+        return cmd_replay_all(args)
+    if args.run_id is None:
+        raise ConfigError("give a RUN_ID, or --all for every stored run")
+    if args.since is not None:
+        raise ConfigError("--since goes with --all")
     from fsm_kernel.replay import RecordedRun, replay_run
     from fsm_kernel.workflow.compiler import compile_workflow
 
@@ -670,3 +755,172 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"{report.replayed_reason}"
         )
     return EXIT_FAIL
+
+
+def cmd_replay_all(args: argparse.Namespace) -> int:
+    """`replay --all`: every stored run re-decided, one at a time; a line per run that diverged
+    or could not be replayed as it comes, then the summary."""
+    from fsm_kernel.bootstrap import load_spec
+    from fsm_kernel.regression import Verdict, replay_all
+
+    edited = load_spec(args.workflow) if args.workflow else None  # a broken file: exit 2
+    since = datetime.now(UTC) - args.since if args.since is not None else None
+    counts = {"identical": 0, "diverged": 0, "unreplayable": 0}
+    shown: list[Verdict] = []  # only the runs to report: a store of identical runs keeps none
+    children = 0
+
+    async def sweep(store: Any) -> None:
+        nonlocal children
+        async for verdict in replay_all(store, workflow=edited, since=since):
+            counts[verdict.outcome] += 1
+            children += verdict.children
+            if verdict.outcome != "identical":
+                shown.append(verdict)
+                if not args.json:
+                    print(_verdict_line(verdict), flush=True)
+
+    with _open(args) as store:
+        asyncio.run(sweep(store))
+    if args.json:
+        summary = {
+            "runs": sum(counts.values()),
+            **counts,
+            "child_runs": children,
+            "workflow": args.workflow,
+            "since": since.isoformat() if since else None,
+            "reported": [v.to_dict() for v in shown],
+        }
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        print(_replay_all_summary(counts, children, edited.name if edited else None))
+    return EXIT_FAIL if counts["diverged"] else EXIT_OK
+
+
+def _verdict_line(verdict: Any) -> str:
+    """`≠ RUN (workflow): diverged at step 2 …` or `? RUN (workflow): unreplayable: why`."""
+    head = f"{verdict.run_id} ({verdict.workflow})"
+    if verdict.outcome == "unreplayable":
+        return f"? {head}: unreplayable: {verdict.why}"
+    d = verdict.divergence
+    where = "" if d.run_id == verdict.run_id else f" in its child run {d.run_id}"
+    return f"≠ {head}: diverged{where} {d.line()}"
+
+
+def _replay_all_summary(counts: dict[str, int], children: int, workflow: str | None) -> str:
+    total = sum(counts.values())
+    if not total:
+        of = f" of workflow {workflow}" if workflow else ""
+        return f"no stored runs{of} to replay"
+    within = f" ({children} child runs replayed within their parents)" if children else ""
+    return (
+        f"{total} run{'s' if total != 1 else ''} replayed: {counts['identical']} identical, "
+        f"{counts['diverged']} diverged, {counts['unreplayable']} unreplayable{within}; "
+        "no model or tool called"
+    )
+
+
+def cmd_runs_coverage(args: argparse.Namespace) -> int:
+    """`runs coverage WORKFLOW`: a workflow's stored runs, added up."""
+    from fsm_kernel.bootstrap import load_spec
+    from fsm_kernel.regression import workflow_coverage
+
+    spec = load_spec(args.workflow)
+    since = datetime.now(UTC) - args.since if args.since is not None else None
+    with _open(args) as store:
+        heat = workflow_coverage(store, spec, since=since)
+    if args.format == "svg":
+        text = _coverage_svg(spec, heat)
+    elif args.format == "json":
+        text = json.dumps(_coverage_dict(spec, heat), ensure_ascii=False) + "\n"
+    else:
+        text = "\n".join(_coverage_lines(spec, heat)) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        _write(Path(args.output), text)
+        print(args.output)
+    return EXIT_OK
+
+
+def _coverage_svg(spec: WorkflowSpec, heat: Any) -> str:
+    from fsm_kernel.diagram import render_svg, to_dot
+    from fsm_kernel.redact import redact
+
+    return render_svg(redact(to_dot(spec, overlay=heat)))
+
+
+def _coverage_edges(spec: WorkflowSpec, heat: Any) -> list[dict[str, Any]]:
+    from fsm_kernel.diagram import edge_label
+    from fsm_kernel.diagram._labels import edge_end
+
+    edges = []
+    for index in heat.edges(spec):
+        source, target, reason = edge_end(spec, index)
+        edges.append(
+            {
+                "index": index,
+                "source": source,
+                "target": target,
+                "reason": reason,
+                "label": edge_label(spec, index),
+                "taken": heat.traversals.get(index, 0),
+            }
+        )
+    return edges
+
+
+def _coverage_dict(spec: WorkflowSpec, heat: Any) -> dict[str, Any]:
+    edges = _coverage_edges(spec, heat)
+    return {
+        "workflow": spec.name,
+        "runs": heat.runs,
+        "edges": edges,
+        "edges_taken": sum(1 for e in edges if e["taken"]),
+        "never_taken": [e["index"] for e in edges if not e["taken"]],
+        "unmatched_transitions": heat.unmatched,
+        "reasons": dict(sorted(heat.reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "tokens": dict(sorted(heat.tokens.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "visits": dict(sorted(heat.visits.items())),
+    }
+
+
+def _coverage_lines(spec: WorkflowSpec, heat: Any) -> list[str]:
+    data = _coverage_dict(spec, heat)
+    edges = data["edges"]
+    if not heat.runs:
+        return [f"no stored runs of workflow {spec.name}"]
+    runs = f"{heat.runs} run{'s' if heat.runs != 1 else ''}"
+    share = 100 * data["edges_taken"] // max(len(edges), 1)
+    lines = [f"workflow {spec.name}, {runs}: {data['edges_taken']} of {len(edges)} edges taken "
+             f"({share}%)", "", "edges taken:"]  # fmt: skip
+    lines += [_edge_line(e) for e in edges if e["taken"]]
+    never = [e for e in edges if not e["taken"]]
+    if never:
+        lines += ["", "never taken:", *(_edge_line(e) for e in never)]
+    if heat.unmatched:
+        lines.append(
+            f"({heat.unmatched} recorded transitions match no edge of this file: recorded under "
+            "another version; not counted)"
+        )
+    lines += ["", "termination reasons:"]
+    lines += [f"  {n:>6}  {reason}" for reason, n in data["reasons"].items()]
+    lines += ["", "tokens per state:"]
+    tokens = [f"  {n:>10,}  {state}" for state, n in data["tokens"].items()]
+    lines += tokens or ["  (none reported)"]
+    return lines
+
+
+def _edge_line(edge: dict[str, Any]) -> str:
+    taken = f"×{edge['taken']}" if edge["taken"] else ""
+    label = f"  {edge['label']}" if edge["label"] else ""
+    return f"  {taken:>7}  {edge['source']} → {edge['target']}{label}"
+
+
+def _write(path: Path, text: str) -> None:
+    from fsm_kernel.errors import ConfigError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from exc

@@ -8,6 +8,7 @@ import html
 
 import graphviz
 
+from fsm_kernel.diagram import _heat
 from fsm_kernel.diagram._labels import (
     CAUGHT,
     DIM,
@@ -22,7 +23,7 @@ from fsm_kernel.diagram._labels import (
     short,
     state_hints,
 )
-from fsm_kernel.diagram._overlay import RunOverlay, fired_count
+from fsm_kernel.diagram._overlay import HeatOverlay, RunOverlay, fired_count
 from fsm_kernel.workflow.spec import WorkflowSpec
 
 __all__ = ["to_dot"]
@@ -36,6 +37,9 @@ _MAX_DEPTH = 4
 _START = "_start"  # state ids are snake_case starting with a letter, so these never clash
 _LEGEND = "_legend"
 
+Overlay = RunOverlay | HeatOverlay
+"""What is drawn on the workflow: one run, or many added up (heat)."""
+
 
 def _esc(text: str) -> str:
     return html.escape(text, quote=False)
@@ -46,20 +50,23 @@ def _font(text: str, *, size: int, color: str, bold: bool = False) -> str:
     return f'<FONT POINT-SIZE="{size}" COLOR="{color}">{inner}</FONT>'
 
 
-def _state_label(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> str:
+def _state_label(spec: WorkflowSpec, sid: str, overlay: Overlay | None) -> str:
     visits = overlay.visits.get(sid, 0) if overlay is not None else 0
     dim = overlay is not None and visits == 0
-    title = f"{sid}  ×{visits}" if visits else sid
+    title, extra = (f"{sid}  ×{visits}" if visits else sid), list[str]()
+    if isinstance(overlay, HeatOverlay):
+        title, extra = _heat.state_lines(sid, overlay)
     lines = [_font(title, size=12, color=DIM if dim else INK, bold=True)]
-    lines += [_font(h, size=9, color=DIM if dim else SOFT) for h in state_hints(spec, sid)]
-    if overlay is not None and overlay.ended_by_kernel and overlay.last_state == sid:
+    hints = [*state_hints(spec, sid), *extra]
+    lines += [_font(h, size=9, color=DIM if dim else SOFT) for h in hints]
+    if isinstance(overlay, RunOverlay) and overlay.ended_by_kernel and overlay.last_state == sid:
         lines.append(
             _font(f"■ ended here: {overlay.reason}", size=9, color=end_color(overlay), bold=True)
         )
     return "<" + "<BR/>".join(lines) + ">"
 
 
-def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> dict[str, str]:
+def _state_attrs(spec: WorkflowSpec, sid: str, overlay: Overlay | None) -> dict[str, str]:
     attrs = {"label": _state_label(spec, sid, overlay)}
     if spec.states[sid].final:
         attrs.update(peripheries="2", style="rounded,filled", fillcolor=_FINAL_FILL)
@@ -67,6 +74,8 @@ def _state_attrs(spec: WorkflowSpec, sid: str, overlay: RunOverlay | None) -> di
         attrs.update(style="rounded,filled,bold", fillcolor=_CALL_FILL)
     if overlay is None:
         return attrs
+    if isinstance(overlay, HeatOverlay):
+        return {**attrs, **_heat.state_attrs(sid, overlay)}
     if overlay.visits.get(sid, 0) == 0:
         attrs["color"] = DIM
     elif overlay.last_state == sid and overlay.reason is not None:
@@ -87,11 +96,13 @@ def _edge_groups(spec: WorkflowSpec) -> list[tuple[str, str, list[int]]]:
     return [(source, target, indexes) for (source, target, _), indexes in groups.items()]
 
 
-def _edge_row(spec: WorkflowSpec, index: int, overlay: RunOverlay | None) -> tuple[str, str]:
+def _edge_row(spec: WorkflowSpec, index: int, overlay: Overlay | None) -> tuple[str, str]:
     """(text, colour) of one transition's line on its edge."""
     text = edge_label(spec, index)
     if overlay is None:
         return text, CAUGHT if spec.catch_edge(index) is not None else INK
+    if isinstance(overlay, HeatOverlay):
+        return _heat.edge_row(spec, index, overlay)
     count = fired_count(spec, overlay, index)
     if count == 0:
         return text, DIM
@@ -115,14 +126,14 @@ def _edge_label_attrs(rows: list[tuple[str, str]]) -> dict[str, str]:
     return {"label": f'<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="1">{cells}</TABLE>>'}
 
 
-def _edge_attrs(
-    spec: WorkflowSpec, indexes: list[int], overlay: RunOverlay | None
-) -> dict[str, str]:
+def _edge_attrs(spec: WorkflowSpec, indexes: list[int], overlay: Overlay | None) -> dict[str, str]:
     attrs = _edge_label_attrs([_edge_row(spec, i, overlay) for i in indexes])
     if spec.catch_edge(indexes[0]) is not None:
         attrs.update(style="dashed", color=CAUGHT)
     if overlay is None:
         return attrs
+    if isinstance(overlay, HeatOverlay):
+        return {**attrs, **_heat.edges_attrs(indexes, overlay)}
     if overlay.terminating in indexes:
         attrs.update(color=end_color(overlay), penwidth="3")
     elif any(fired_count(spec, overlay, i) for i in indexes):
@@ -132,7 +143,7 @@ def _edge_attrs(
     return attrs
 
 
-def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
+def _legend_rows(spec: WorkflowSpec, overlay: Overlay | None) -> list[str]:
     rows = [
         "● → the initial state; a double border marks a final state",
         "n. [guard]: the edge's place in transitions:, the order a state's edges are tried in; "
@@ -159,7 +170,9 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
             "dashed catch edge: taken first when the state's action fails with that error "
             "(after its retries)",
         )
-    if overlay is not None:
+    if isinstance(overlay, HeatOverlay):
+        rows += _heat.legend_rows(overlay)
+    elif overlay is not None:
         rows += [
             "×n: times a state was entered / an edge fired; grey: not reached",
             "■ where the run ended: green for final_answer or done, red for any other reason",
@@ -172,7 +185,7 @@ def _legend_rows(spec: WorkflowSpec, overlay: RunOverlay | None) -> list[str]:
     return rows
 
 
-def _legend_label(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
+def _legend_label(spec: WorkflowSpec, overlay: Overlay | None) -> str:
     cells = "".join(
         f'<TR><TD ALIGN="LEFT">{_font(row, size=9, color=SOFT)}</TD></TR>'
         for row in _legend_rows(spec, overlay)
@@ -183,17 +196,19 @@ def _legend_label(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
     )
 
 
-def _title(spec: WorkflowSpec, overlay: RunOverlay | None) -> str:
+def _title(spec: WorkflowSpec, overlay: Overlay | None) -> str:
     lines = [_font(spec.name, size=14, color=INK, bold=True)]
     if spec.description:
         lines.append(_font(short(spec.description, 90), size=10, color=SOFT))
-    if overlay is not None:
+    if isinstance(overlay, HeatOverlay):
+        lines.append(_font(_heat.title_line(overlay), size=10, color=INK, bold=True))
+    elif overlay is not None:
         color = TAKEN if overlay.reason is None else end_color(overlay)
         lines.append(_font(run_summary(overlay), size=10, color=color, bold=True))
     return "<" + "<BR/>".join(lines) + ">"
 
 
-def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Digraph:
+def _new_digraph(spec: WorkflowSpec, overlay: Overlay | None) -> graphviz.Digraph:
     return graphviz.Digraph(
         name=spec.name,
         graph_attr={
@@ -223,7 +238,7 @@ def _new_digraph(spec: WorkflowSpec, overlay: RunOverlay | None) -> graphviz.Dig
 
 
 def _draw_states(
-    g: graphviz.Digraph, spec: WorkflowSpec, overlay: RunOverlay | None, parent: str | None
+    g: graphviz.Digraph, spec: WorkflowSpec, overlay: Overlay | None, parent: str | None
 ) -> None:
     """The states whose parent is `parent` (None: the top level): a compound state as a cluster
     (`cluster_<id>`) holding its children and a start dot into its initial child."""
@@ -299,11 +314,12 @@ def _draw_called(g: graphviz.Digraph, spec: WorkflowSpec, prefix: str, depth: in
 def to_dot(
     spec: WorkflowSpec,
     *,
-    overlay: RunOverlay | None = None,
+    overlay: Overlay | None = None,
     legend: bool = True,
     expand: bool = False,
 ) -> str:
     """The workflow as Graphviz DOT text; the same spec (and overlay) gives the same bytes.
+    `overlay`: one run (RunOverlay) or many added up (HeatOverlay, drawn as heat).
     `legend=False` leaves the legend out (for a page that explains the notation itself);
     `expand=True` draws each workflow a state calls inside a cluster (see `_draw_called`)."""
     g = _new_digraph(spec, overlay)

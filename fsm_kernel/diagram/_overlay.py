@@ -1,5 +1,6 @@
 """The run overlay: what one run did on its workflow (visits, fired transitions, where and why it
-ended), folded from its events, and whether it fits a given spec. Draws nothing.
+ended), folded from its events, and whether it fits a given spec; the heat overlay: what many
+runs of a workflow did on it, added up. Draws nothing.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.store import tokens_of
 from fsm_kernel.workflow.spec import WorkflowSpec
 
-__all__ = ["RunOverlay", "fired_count", "overlay_problems"]
+__all__ = ["HeatOverlay", "RunOverlay", "fired_count", "overlay_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +181,59 @@ def fired_count(spec: WorkflowSpec, overlay: RunOverlay, index: int) -> int:
         return 0
     source, target = overlay.edges[index]
     return overlay.traversals[index] if _edge_matches(spec, index, source, target) else 0
+
+
+NOT_ENDED = "(not ended)"
+"""The `reasons` key of runs still in flight, killed, or waiting for a person or an event."""
+
+
+@dataclass(kw_only=True)
+class HeatOverlay:
+    """What many runs of one workflow did on it, added up (`fsm-kernel runs coverage`): drawn
+    as heat, each edge as thick and as warm as it is often taken."""
+
+    workflow: str
+    runs: int = 0
+    visits: dict[str, int] = field(default_factory=dict)
+    """Times each state was entered, over all the runs."""
+    traversals: dict[int, int] = field(default_factory=dict)
+    """Times each edge of the spec (by index) fired; only transitions that match the spec's edge
+    of that index count (a run recorded under another version may number them otherwise)."""
+    unmatched: int = 0
+    """Transitions recorded that match no edge of the spec (another version's): not counted."""
+    reasons: dict[str, int] = field(default_factory=dict)
+    """How many runs ended with each termination reason; NOT_ENDED for those that did not."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens the model used (prompt + completion, as the server reported them) per state."""
+
+    def add_run(self, spec: WorkflowSpec, events: Iterable[Event]) -> None:
+        """Fold one run's events (in seq order) in."""
+        events = list(events)
+        overlay = RunOverlay.from_events(events)
+        self.runs += 1
+        for state, n in overlay.visits.items():
+            self.visits[state] = self.visits.get(state, 0) + n
+        for index, (source, target) in overlay.edges.items():
+            if _edge_matches(spec, index, source, target):
+                self.traversals[index] = self.traversals.get(index, 0) + overlay.traversals[index]
+            else:
+                self.unmatched += overlay.traversals[index]
+        reason = overlay.reason or NOT_ENDED
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        for e in events:
+            used = tokens_of(e)
+            if used and e.state:
+                self.tokens[e.state] = self.tokens.get(e.state, 0) + used
+
+    def edges(self, spec: WorkflowSpec) -> list[int]:
+        """Every edge of `spec` by index: the declared transitions, then the catch edges."""
+        return list(range(len(spec.transitions))) + [e.index for e in spec.catch_edges()]
+
+    def never_taken(self, spec: WorkflowSpec) -> list[int]:
+        """The edges of `spec` no run took."""
+        return [i for i in self.edges(spec) if not self.traversals.get(i)]
+
+    def heat(self, index: int) -> float:
+        """How often edge `index` fired against the edge fired most: 0 (never) to 1."""
+        most = max(self.traversals.values(), default=0)
+        return self.traversals.get(index, 0) / most if most else 0.0
