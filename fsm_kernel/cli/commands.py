@@ -23,7 +23,15 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
 def register(sub: Any) -> None:
     """Add every subcommand to the parser."""
-    from fsm_kernel.cli import chat_cmd, diagram_cmd, runs, schedule_cmd, signal_cmd, ui_cmd
+    from fsm_kernel.cli import (
+        chat_cmd,
+        diagram_cmd,
+        explore_cmd,
+        runs,
+        schedule_cmd,
+        signal_cmd,
+        ui_cmd,
+    )
 
     _add_run(sub)
     chat_cmd.register(sub)
@@ -67,6 +75,7 @@ def register(sub: Any) -> None:
     diagram_cmd.register(sub)
     schedule_cmd.register(sub)
     ui_cmd.register(sub)
+    explore_cmd.register(sub)  # temporary: `test --explore` once the test command lands
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> None:
