@@ -33,7 +33,7 @@ import json
 import string
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 
 from fsm_kernel.bootstrap import RunOptions, build_tools
-from fsm_kernel.errors import AgentConnectionError, AgentError
+from fsm_kernel.errors import AgentConnectionError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
     Completion,
@@ -164,8 +164,12 @@ _WORDS = ["PASS", "42", "I need more information.", "Done: the answer is 7.", "F
 _TEXT = st.sampled_from(_WORDS) | st.text(string.printable, max_size=24)
 _JSON: Strategy = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.text(string.ascii_letters, max_size=6),
-    lambda inner: st.lists(inner, max_size=3)
-    | st.dictionaries(st.text(string.ascii_lowercase, min_size=1, max_size=6), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.text(string.ascii_lowercase, min_size=1, max_size=6), inner, max_size=3
+        )
+    ),
     max_leaves=6,
 )
 
@@ -195,7 +199,7 @@ def _from_schema(schema: Any, depth: int = 0) -> Strategy:
     kind = schema.get("type")
     if isinstance(kind, list):
         return st.one_of([_from_schema({**schema, "type": k}, depth) for k in kind] or [_JSON])
-    return _TYPED.get(str(kind), lambda s, d: _JSON)(schema, depth)
+    return _TYPED.get(str(kind), _any)(schema, depth)
 
 
 def _object(schema: Mapping[str, Any], depth: int) -> Strategy:
@@ -216,7 +220,9 @@ def _array(schema: Mapping[str, Any], depth: int) -> Strategy:
 
 def _string(schema: Mapping[str, Any], _depth: int) -> Strategy:
     low = int(schema.get("minLength", 0))
-    return st.text(string.printable, min_size=low, max_size=max(low, int(schema.get("maxLength", 20))))
+    return st.text(
+        string.printable, min_size=low, max_size=max(low, int(schema.get("maxLength", 20)))
+    )
 
 
 def _number(schema: Mapping[str, Any], _depth: int, *, integer: bool = False) -> Strategy:
@@ -226,14 +232,30 @@ def _number(schema: Mapping[str, Any], _depth: int, *, integer: bool = False) ->
     return st.floats(low, high, allow_nan=False, allow_infinity=False)
 
 
-_TYPED = {
+def _integer(schema: Mapping[str, Any], depth: int) -> Strategy:
+    return _number(schema, depth, integer=True)
+
+
+def _boolean(_schema: Mapping[str, Any], _depth: int) -> Strategy:
+    return st.booleans()
+
+
+def _null(_schema: Mapping[str, Any], _depth: int) -> Strategy:
+    return st.none()
+
+
+def _any(_schema: Mapping[str, Any], _depth: int) -> Strategy:
+    return _JSON
+
+
+_TYPED: dict[str, Callable[[Mapping[str, Any], int], Strategy]] = {
     "object": _object,
     "array": _array,
     "string": _string,
-    "integer": lambda s, d: _number(s, d, integer=True),
+    "integer": _integer,
     "number": _number,
-    "boolean": lambda s, d: st.booleans(),
-    "null": lambda s, d: st.none(),
+    "boolean": _boolean,
+    "null": _null,
 }
 
 
@@ -534,7 +556,7 @@ def _ending_problems(target: _Target, result: RunResult, events: Sequence[Event]
 def _replay_problems(target: _Target, result: RunResult, store: EventStore) -> list[str]:
     try:
         report = asyncio.run(replay_run(target.compiled, store, result.run_id))
-    except Exception as exc:  # noqa: BLE001  # a replay that raises is what we report
+    except Exception as exc:  # a replay that raises is what we report
         return [f"the replay raised {type(exc).__name__}: {exc}"]
     if report.identical:
         return []
@@ -567,33 +589,49 @@ def _transcript(store: EventStore, run_id: str, indent: str = "  ") -> list[str]
 
 
 def _line(event: Event) -> str | None:
-    d, state = event.data, event.state or "-"
-    match event.type:
-        case EventType.MODEL_RESPONDED:
-            return f"[{state}] model replies {_describe(d.get('completion') or {})}"
-        case EventType.MODEL_FAILED:
-            return f"[{state}] model fails: {d.get('message') or d.get('error') or d}"
-        case EventType.TOOL_FINISHED:
-            call, res = d.get("call") or {}, d.get("result") or {}
-            flag = "fatal error" if res.get("fatal") else "error" if res.get("is_error") else "ok"
-            return f"[{state}] tool {call.get('name')} → {flag} {_short(res.get('content'))}"
-        case EventType.HUMAN_ANSWERED:
-            return f"[{state}] {_answer_line(d)}"
-        case EventType.EVENT_DELIVERED:
-            return f"[{state}] event {d.get('name')} delivered, data {_args(d, 'data')}"
-        case EventType.TIMER_FIRED:
-            return f"[{state}] the timer of edge {d.get('edge')} fires"
-        case EventType.TRANSITION_TAKEN:
-            guard = f" [{d['guard']}]" if d.get("guard") else ""
-            return f"{d.get('from') or d.get('source')} → {d.get('to') or d.get('target')}{guard}"
-        case EventType.CHILD_STARTED:
-            return f"[{state}] child run of {d.get('workflow')}:"
-        case EventType.RUN_TERMINATED:
-            error = f": {d['error']}" if d.get("error") else ""
-            return f"ended: {d.get('reason')}{error}"
-        case EventType.RUN_SUSPENDED:
-            return f"waiting: {_short(json.dumps(d.get('waiting_for'), sort_keys=True), 120)}"
-    return None
+    """One event as a line of the transcript (None: not shown)."""
+    render = _RENDER.get(event.type)
+    if render is None:
+        return None
+    line = render(event.data)
+    return line if event.type in _RUN_LEVEL else f"[{event.state or '-'}] {line}"
+
+
+def _tool_line(d: Mapping[str, Any]) -> str:
+    call, res = d.get("call") or {}, d.get("result") or {}
+    flag = "fatal error" if res.get("fatal") else "error" if res.get("is_error") else "ok"
+    return f"tool {call.get('name')} → {flag} {_short(res.get('content'))}"
+
+
+def _transition_line(d: Mapping[str, Any]) -> str:
+    guard = f" [{d['guard']}]" if d.get("guard") else ""
+    return f"{d.get('from') or d.get('source')} → {d.get('to') or d.get('target')}{guard}"
+
+
+def _ended_line(d: Mapping[str, Any]) -> str:
+    error = f": {d['error']}" if d.get("error") else ""
+    return f"ended: {d.get('reason')}{error}"
+
+
+_RENDER: dict[EventType, Callable[[Mapping[str, Any]], str]] = {
+    EventType.MODEL_RESPONDED: lambda d: f"model replies {_describe(d.get('completion') or {})}",
+    EventType.MODEL_FAILED: lambda d: f"model fails: {d.get('message') or d.get('error') or d}",
+    EventType.TOOL_FINISHED: _tool_line,
+    EventType.HUMAN_ANSWERED: lambda d: _answer_line(d),
+    EventType.EVENT_DELIVERED: lambda d: f"event {d.get('name')} arrives, data {_args(d, 'data')}",
+    EventType.TIMER_FIRED: lambda d: f"the timer of edge {d.get('edge')} fires",
+    EventType.CHILD_STARTED: lambda d: f"child run of {d.get('workflow')}:",
+    EventType.TRANSITION_TAKEN: _transition_line,
+    EventType.RUN_TERMINATED: _ended_line,
+    EventType.RUN_SUSPENDED: lambda d: (
+        f"waiting: {_short(json.dumps(d.get('waiting_for'), sort_keys=True), 120)}"
+    ),
+}
+"""How each event shown in a transcript reads."""
+_RUN_LEVEL = frozenset(
+    {EventType.TRANSITION_TAKEN, EventType.RUN_TERMINATED, EventType.RUN_SUSPENDED}
+)
+"""Events shown without the state they happened in."""
 
 
 def _describe(completion: Mapping[str, Any]) -> str:
@@ -615,13 +653,13 @@ def _args(call: Mapping[str, Any], key: str = "arguments") -> str:
 
 def _answer_line(d: Mapping[str, Any]) -> str:
     """A person's recorded answer (human.answered), as a phrase."""
+    if d.get("kind") == "approval" and d.get("approved"):
+        return "person approves"
     if d.get("kind") == "approval":
-        return "person approves" if d.get("approved") else f"person rejects: {_short(d.get('reason'))}"
+        return f"person rejects: {_short(d.get('reason'))}"
     if d.get("kind") == "input":
         return f"person answers {_short(d.get('text'))}"
-    if d.get("timer") is not None:
-        return f"the timer of edge {d['timer']} fires"
-    return f"event {d.get('name')} arrives, data {_args(d, 'data')}"
+    return f"person answers {_short(json.dumps(d, sort_keys=True), 120)}"
 
 
 def _short(value: Any, limit: int = 60, *, quote: bool = True) -> str:
@@ -631,7 +669,11 @@ def _short(value: Any, limit: int = 60, *, quote: bool = True) -> str:
 
 
 def _counterexample(
-    target: _Target, problems: Sequence[str], result: RunResult | None, store: EventStore, draws: _Draws
+    target: _Target,
+    problems: Sequence[str],
+    result: RunResult | None,
+    store: EventStore,
+    draws: _Draws,
 ) -> str:
     name = target.harness.spec.name
     lines = [f"workflow {name}: a run broke {len(problems)} invariant(s):"]
@@ -675,7 +717,7 @@ def explore(
                 result = _run_once(target, draws, store)
             except HypothesisException:
                 raise
-            except Exception as exc:  # noqa: BLE001  # anything out of a run is a finding
+            except Exception as exc:  # anything out of a run is a finding
                 problems = [f"the run raised {type(exc).__name__}: {exc}"]
             else:
                 endings[_ending(result)] += 1
