@@ -142,6 +142,14 @@ transitions:
     assert {"final_answer", "gave_up", "waiting"} <= set(report.endings)
 
 
+def test_a_workflow_without_an_iteration_cap_is_explored_with_one(tmp_path: Path) -> None:
+    text = WITH_GUARD.format(guard="done_called").replace("max_iterations: 6", "max_iterations: 0")
+    report = explore(_write(tmp_path, text), examples=20)
+
+    assert report.passed, report.counterexample
+    assert report.notes == ["max_iterations is 0 (unlimited): explored with max_iterations 25"]
+
+
 # -- counterexamples ---------------------------------------------------------------------------
 
 
