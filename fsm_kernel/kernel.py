@@ -582,6 +582,9 @@ class Kernel:
         )
 
     def _started_data(self, prompt: str, limits: Limits) -> dict[str, Any]:
+        settings = dict(self.settings)
+        if self.approval_required:  # a replay asks for approval where the run did
+            settings.setdefault("approval", sorted(self.approval_required))
         return {
             "workflow": self.spec.name,
             "workflow_path": self.spec.path,
@@ -589,7 +592,7 @@ class Kernel:
             "workflow_version": self.spec.version,
             "workflow_text": self.spec.text or None,  # resume and replay follow this text
             "goal": prompt,
-            "settings": self.settings,
+            "settings": settings,
             "limits": limits.model_dump(),
             "system_prompt": self.system_prompt,
         }

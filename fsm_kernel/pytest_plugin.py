@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -206,3 +206,34 @@ class WorkflowTestCase(pytest.Item):
 
 class WorkflowCaseFailed(Exception):
     """A case did something its `expect:` does not say (the first difference)."""
+
+
+# -- exploring workflows (property-based; needs Hypothesis) ------------------------------------
+
+if TYPE_CHECKING:
+    from fsm_kernel.testing._explore import ExploreReport
+
+ExplorerFactory = Callable[..., "ExploreReport"]
+
+
+@pytest.fixture
+def workflow_explorer() -> ExplorerFactory:
+    """A function that explores a workflow on random model replies, tool results and answers
+    (fsm_kernel.testing's explorer, on Hypothesis): `workflow_explorer("react", examples=25)`
+    fails the test with the shrunk counterexample when a run breaks an invariant, and returns
+    the ExploreReport otherwise. The runs are the same every time unless `seed=` is given.
+    Skips the test when Hypothesis is not installed."""
+
+    def explore_workflow(
+        workflow: str | Path | WorkflowSpec, *, examples: int = 25, seed: int | None = None
+    ) -> ExploreReport:
+        __tracebackhide__ = True
+        pytest.importorskip("hypothesis", reason="the workflow explorer needs Hypothesis")
+        from fsm_kernel.testing._explore import explore
+
+        report = explore(workflow, examples=examples, seed=seed)
+        if not report.passed:
+            pytest.fail(f"{report.counterexample}\n{report.summary()}", pytrace=False)
+        return report
+
+    return explore_workflow

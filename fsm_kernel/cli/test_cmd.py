@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+from fsm_kernel.cli.explore_cmd import add_explore_args, run_explore
 from fsm_kernel.errors import ConfigError, WorkflowError
 
 __all__ = ["cmd_test", "register"]
@@ -30,7 +31,8 @@ def register(sub: Any) -> None:
         "events and child outcomes each case scripts: no model server, no network. Exit 0 "
         "when every case passes, 1 when one fails (its first difference is named), 2 for a "
         "file that is not a valid test file (file:line:col). --generate WORKFLOW writes a "
-        "test file reaching every declared edge instead.",
+        "test file reaching every declared edge instead; --explore WORKFLOW checks it on "
+        "random runs.",
     )
     p.add_argument("paths", nargs="*", metavar="PATH", help="test files or folders")
     p.add_argument("-k", dest="only", metavar="NAME", action="append",
@@ -60,14 +62,21 @@ def register(sub: Any) -> None:
     p.add_argument(
         "-o", "--output", metavar="FILE", help="with --generate: the file to write (else stdout)"
     )
+    add_explore_args(p)
     p.set_defaults(handler=cmd_test)
 
 
 def cmd_test(args: argparse.Namespace) -> int:
+    if args.generate and args.explore:
+        raise ConfigError("give --generate or --explore, not both")
     if args.generate:
         return _generate(args)
+    if args.explore:
+        return run_explore(args)
     if not args.paths:
-        raise ConfigError("give test files or folders to run, or --generate WORKFLOW")
+        raise ConfigError(
+            "give test files or folders to run, or --generate WORKFLOW, or --explore WORKFLOW"
+        )
     files = list(_test_files(args.paths))
     return _run(args, files)
 
