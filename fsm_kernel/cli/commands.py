@@ -47,7 +47,14 @@ def register(sub: Any) -> None:
         "--json",
         action="store_true",
         help="print one JSON document: ok, and per file its path, ok and errors (each with "
-        "file, line, col and message)",
+        "file, line, col and message); with --explain, each valid file's explanation too",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also say how each valid workflow's runs can end: every termination reason its "
+        "edges reach, with a shortest path to it; the reasons it names but no path reaches; "
+        "and the ones the kernel may end any run with",
     )
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser(
@@ -314,9 +321,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    reports = [_validate_file(name) for name in args.workflows]
+    reports = [_validate_file(name, explain=args.explain) for name in args.workflows]
     ok = all(r["ok"] for r in reports)
     if args.json:
+        for report in reports:
+            if "explanation" in report:
+                report["explanation"] = report["explanation"].to_dict()
         print(json.dumps({"ok": ok, "files": reports}, ensure_ascii=False))
         return EXIT_OK if ok else EXIT_USAGE
     for report in reports:
@@ -329,10 +339,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 f"{report['path']}: ok ({report['states']} states, {report['transitions']} "
                 f"transitions{extra})"
             )
+        if "explanation" in report:
+            for line in report["explanation"].lines():
+                print(line)
     return EXIT_OK if ok else EXIT_USAGE
 
 
-def _validate_file(name: str) -> dict[str, Any]:
+def _validate_file(name: str, *, explain: bool = False) -> dict[str, Any]:
     """What `validate` found in one file: every error in file order (those of its tools
     too), or the size of a valid one. Imports as a run would (load_spec's sys.path)."""
     from pathlib import Path
@@ -365,6 +378,10 @@ def _validate_file(name: str) -> dict[str, Any]:
         report["states"] = len(check.spec.states)
         report["transitions"] = len(check.spec.transitions)
         report["catch_edges"] = len(check.spec.catch_edges())
+        if explain:
+            from fsm_kernel.workflow.analysis import explain as explain_workflow
+
+            report["explanation"] = explain_workflow(check.spec)
     return report
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from fsm_kernel.errors import WorkflowError, WorkflowValidationError
 from fsm_kernel.tools.mcp_client import parse_ref
 from fsm_kernel.workflow.actions import RefError, resolve_action, resolve_guard
+from fsm_kernel.workflow.analysis import cycle_errors
 from fsm_kernel.workflow.call_chain import call_errors
 from fsm_kernel.workflow.children import CALL_ACTIONS, MAP_NAMES, TEMPLATE_NAMES, template_names
 from fsm_kernel.workflow.compound import compound_errors, containment_edges, fallback_errors
@@ -686,6 +687,7 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     out += expression_errors(spec, import_code=import_code)
     for sid, state in spec.states.items():
         _check_catches(spec, sid, state, out)
+    calls_model: dict[str, bool] | None = None
     if import_code:
         calls_model = _check_refs(spec, out)
         _check_answer_flags(spec, calls_model, out)
@@ -694,6 +696,12 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
     if _graph_known(spec):
         _check_fallbacks(spec, out)
         _check_graph(spec, out)
+        if calls_model is not None:  # which actions call the model: known once imported
+            spends = {
+                sid: calls_model.get(sid, True) or state.action in CALL_ACTIONS
+                for sid, state in spec.states.items()
+            }
+            out.extend(cycle_errors(spec, spends))
     return in_file_order(out, spec.path)
 
 

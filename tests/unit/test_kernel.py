@@ -454,7 +454,9 @@ def test_answer_on_the_last_allowed_iteration_is_a_final_answer(tmp_path: Path) 
 def test_transition_cap_ends_a_loop_that_never_calls_the_model(tmp_path: Path) -> None:
     model = ScriptedModel([])
 
-    result = run(make_kernel(model, tmp_path, spec=load_workflow_text(SPIN)))
+    # validate refuses this cycle (nothing bounds it); the cap guards specs it never checked
+    spin = load_workflow_text(SPIN, import_code=False)
+    result = run(make_kernel(model, tmp_path, spec=spin))
 
     assert result.termination_reason == "no_progress"
     assert result.error is not None

@@ -445,8 +445,9 @@ transitions:
 def _fresh(text: str) -> CompiledWorkflow:
     """A compiled workflow of its own, whose engine has decided nothing yet (compile_workflow
     would hand back the one an earlier test, or an earlier pytest session in this process,
-    taught)."""
-    return CompiledWorkflow(load_workflow_text(text))
+    taught). Read as data: these loops stand in for think/act with session.observe, a cycle
+    `validate` refuses (nothing bounds it); the compiler does not care."""
+    return CompiledWorkflow(load_workflow_text(text, import_code=False))
 
 
 def _sends(monkeypatch: pytest.MonkeyPatch, compiled: CompiledWorkflow) -> list[str]:
@@ -650,7 +651,7 @@ def test_workflows_of_one_name_and_different_content_get_engine_classes_of_their
 
 
 def test_workflows_built_in_code_are_compiled_once_per_content() -> None:
-    spec = load_workflow_text(PURE.replace("pure", "inline_a"))
+    spec = load_workflow_text(PURE.replace("pure", "inline_a"), import_code=False)
     built = [WorkflowSpec.model_validate(spec.model_dump()) for _ in range(2)]
     longer = WorkflowSpec.model_validate(
         {**spec.model_dump(), "limits": {**spec.limits.model_dump(), "max_iterations": 99}}
