@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import pydantic
 
-from fsm_kernel.bootstrap import RunOptions, build_tools, resolve_workflow
+from fsm_kernel.bootstrap import RunOptions, build_tools, load_spec
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import ChatModel, EventStore, EventType, ToolExecutor, ToolResult
@@ -78,7 +78,7 @@ class WorkflowHarness:
         if isinstance(workflow, WorkflowSpec):
             self.spec = workflow
         else:
-            self.spec = load_workflow(resolve_workflow(workflow))
+            self.spec = load_spec(str(workflow))  # its folder's modules import, as for `run`
         self.compiled: CompiledWorkflow = compile_workflow(self.spec)
         self.fired: list[FiredTransition] = []
         """Every transition this harness saw fire, by `step()` or `run()`, in order."""

@@ -552,13 +552,17 @@ def compile_workflow(spec: WorkflowSpec) -> CompiledWorkflow:
 
 def _assigning(action: ActionDef, spec: WorkflowSpec, sid: str) -> ActionDef:
     """`action`, followed by its state's `assign:` (part of the action: a value that fails
-    its schema is the action's failure, retried and caught as one)."""
+    its schema is the action's failure, retried and caught as one). A model reply that was
+    malformed output assigns nothing: there is no output to read, and the state's
+    `malformed_output` edge (or the limit) decides what happens next, as without `assign:`."""
     assign = spec.states[sid].assign
     if not assign:
         return action
 
     async def act_then_assign(ctx: RunContext) -> None:
         await action(ctx)
+        if action.calls_model and ctx.malformed_reason is not None:
+            return
         apply_assign(ctx, assign, spec.variables, {"state": sid})
 
     return replace(action, fn=act_then_assign)
