@@ -364,7 +364,7 @@ def kernel_reasons(graph: Graph, *, import_code: bool = True) -> dict[str, str]:
     )
     if limits.max_iterations:
         out[R.MAX_ITERATIONS] = (
-            f"before a model call, once {limits.max_iterations} were made (limits.max_iterations)"
+            f"before a model call, once limits.max_iterations ({limits.max_iterations}) is reached"
         )
     if limits.max_tokens:
         out[R.BUDGET_EXCEEDED] = f"once model calls used {limits.max_tokens} tokens (limits)"
