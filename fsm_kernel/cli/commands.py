@@ -47,14 +47,15 @@ def register(sub: Any) -> None:
         "--json",
         action="store_true",
         help="print one JSON document: ok, and per file its path, ok and errors (each with "
-        "file, line, col and message); with --explain, each valid file's explanation too",
+        "file, line, col and message; with --explain, a valid file's explain too)",
     )
     p.add_argument(
         "--explain",
         action="store_true",
-        help="also say how each valid workflow's runs can end: every termination reason its "
-        "edges reach, with a shortest path to it; the reasons it names but no path reaches; "
-        "and the ones the kernel may end any run with",
+        help="for each valid file, also list every termination reason its edges can end a run "
+        "with and the shortest path to each (states by full compound path, each edge's "
+        "conditions), the reasons it declares or names but can never reach, and those the "
+        "kernel may end any run with (limits, errors, cancellation)",
     )
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser(
@@ -322,14 +323,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     reports = [_validate_file(name, explain=args.explain) for name in args.workflows]
+    explained = [r.pop("explain_lines", []) for r in reports]
     ok = all(r["ok"] for r in reports)
     if args.json:
-        for report in reports:
-            if "explanation" in report:
-                report["explanation"] = report["explanation"].to_dict()
         print(json.dumps({"ok": ok, "files": reports}, ensure_ascii=False))
         return EXIT_OK if ok else EXIT_USAGE
-    for report in reports:
+    for report, lines in zip(reports, explained, strict=True):
         for error in report["errors"]:
             print(f"error: {error['text']}", file=sys.stderr)
         if report["ok"]:
@@ -339,15 +338,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 f"{report['path']}: ok ({report['states']} states, {report['transitions']} "
                 f"transitions{extra})"
             )
-        if "explanation" in report:
-            for line in report["explanation"].lines():
-                print(line)
+        for line in lines:
+            print(line)
     return EXIT_OK if ok else EXIT_USAGE
 
 
 def _validate_file(name: str, *, explain: bool = False) -> dict[str, Any]:
     """What `validate` found in one file: every error in file order (those of its tools
-    too), or the size of a valid one. Imports as a run would (load_spec's sys.path)."""
+    too), or the size of a valid one (and with `explain`, its termination reasons: `explain`
+    for --json, `explain_lines` for the terminal). Imports as a run would (load_spec's
+    sys.path)."""
     from pathlib import Path
 
     from fsm_kernel.bootstrap import RunOptions, build_tools, resolve_workflow
@@ -379,9 +379,11 @@ def _validate_file(name: str, *, explain: bool = False) -> dict[str, Any]:
         report["transitions"] = len(check.spec.transitions)
         report["catch_edges"] = len(check.spec.catch_edges())
         if explain:
-            from fsm_kernel.workflow.analysis import explain as explain_workflow
+            from fsm_kernel.workflow.analysis import explain as explain_reasons
 
-            report["explanation"] = explain_workflow(check.spec)
+            explanation = explain_reasons(check.spec)
+            report["explain"] = explanation.to_dict()
+            report["explain_lines"] = explanation.lines()
     return report
 
 

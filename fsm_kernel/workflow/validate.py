@@ -10,8 +10,9 @@ reasons: snake_case, never a built-in's), references (actions, guards, terminati
 `answer: false`, `output:` and `agent:` only where the action calls the model, every `output:`
 a valid JSON Schema (whose `$ref`s never loop without descending into the value) or an
 importable pydantic model, `retry:`/`catch:` only where there is an action (catch targets
-checked like transition targets), MCP servers that name a program, and the workflows called
-(they exist, are valid, never call back and nest at most MAX_CALL_DEPTH deep). Tool names are
+checked like transition targets), MCP servers that name a program, the workflows called
+(they exist, are valid, never call back and nest at most MAX_CALL_DEPTH deep), and every
+cycle bounded by a model call, a limit or a timer (see analysis.py). Tool names are
 checked by the kernel, which owns the registry.
 """
 
@@ -695,13 +696,10 @@ def workflow_errors(spec: WorkflowSpec, *, import_code: bool = True) -> Errors:
         _check_outputs(spec, calls_model, out)
     if _graph_known(spec):
         _check_fallbacks(spec, out)
+        found = len(out)
         _check_graph(spec, out)
-        if calls_model is not None:  # which actions call the model: known once imported
-            spends = {
-                sid: calls_model.get(sid, True) or state.action in CALL_ACTIONS
-                for sid, state in spec.states.items()
-            }
-            out.extend(cycle_errors(spec, spends))
+        if len(out) == found:  # a state that cannot finish loops already: one error is enough
+            out += cycle_errors(spec, import_code=import_code)
     return in_file_order(out, spec.path)
 
 

@@ -214,10 +214,12 @@ transitions:
   - {source: think,   target: terminate, reason: final_answer}
 """
 
-# A loop that never calls the model: only limits.max_transitions ends it.
+# A loop that never calls the model, bounded only by a counter far above the transition cap
+# (validate refuses a loop nothing bounds): limits.max_transitions ends it first.
 SPIN = """
 name: spin
 limits: {max_transitions: 7}
+variables: {n: {type: integer, default: 0}}
 initial: observe
 states:
   observe:   {action: session.observe}
@@ -226,7 +228,8 @@ states:
 transitions:
   - {source: observe,  target: terminate, guard: has_answer, reason: final_answer}
   - {source: observe,  target: evaluate}
-  - {source: evaluate, target: observe}
+  - {source: evaluate, target: observe, when: "vars.n < 1000", assign: {n: "vars.n + 1"}}
+  - {source: evaluate, target: terminate, reason: final_answer}
 """
 
 SLOW = """

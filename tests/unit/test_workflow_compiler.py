@@ -430,7 +430,7 @@ LOOP = """
 name: loopy
 initial: think
 states:
-  think: {action: session.observe}
+  think: {action: agent.think}
   act: {action: session.observe}
   end: {final: true}
 transitions:
@@ -516,7 +516,7 @@ name: pure
 initial: observe
 states:
   observe: {action: session.observe}
-  think: {action: session.observe}
+  think: {action: agent.think}
   act: {action: session.observe}
   end: {final: true}
 transitions:

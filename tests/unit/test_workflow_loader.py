@@ -62,6 +62,11 @@ BROKEN: dict[str, tuple[int, int, str]] = {
     ),
     "broken_after_unguarded.yaml": (11, 5, "transition never fires"),
     "broken_no_path_to_final.yaml": (6, 3, "state 'spin' has no path to a final state"),
+    "broken_unbounded_cycle.yaml": (
+        13,
+        5,
+        "poll → check → poll can repeat without a model call, a limit or a timer",
+    ),
     "broken_list_workflow.yaml": (2, 1, "a workflow must be a mapping of keys"),
     "broken_unknown_top_key.yaml": (4, 1, "unknown key 'colour'"),
 }
