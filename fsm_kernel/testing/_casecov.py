@@ -4,7 +4,7 @@ and false, and the termination reasons reached.
 
 Which conditions were evaluated comes from each `transition.taken` event: its `tried` list (the
 edges tried, each check with its value) where the log has one; else from the order the kernel
-tries edges in (docs/semantics.md): every guarded edge tried before the one taken was false
+tries edges in (docs/explanation/semantics.md): every guarded edge tried before the one taken was false
 there, the one taken true.
 """
 
