@@ -4,8 +4,8 @@ and false, and the termination reasons reached.
 
 Which conditions were evaluated comes from each `transition.taken` event: its `tried` list (the
 edges tried, each check with its value) where the log has one; else from the order the kernel
-tries edges in (docs/explanation/semantics.md): every guarded edge tried before the one taken was false
-there, the one taken true.
+tries edges in (docs/explanation/semantics.md): every guarded edge tried before the one taken
+was false there, the one taken true.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
 The timer starts when the run enters the compound state (from outside it, or by an edge that
 targets the compound state itself, which restarts it) and is cancelled when the run leaves it.
 It is checked each time the run leaves a state inside it: once it is due, its edge (an edge of
-an enclosing state, so tried first: see docs/explanation/semantics.md) fires instead of the state's own.
-An action in flight is never cut short, nor skipped: a model call that began before the
+an enclosing state, so tried first: see docs/explanation/semantics.md) fires instead of the
+state's own. An action in flight is never cut short, nor skipped: a model call that began before the
 deadline ends first. A waiting state inside the compound state waits for the deadline too (its
 `waiting_for.due` is the earliest of both), and suspends like any waiting state.
 
