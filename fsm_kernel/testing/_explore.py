@@ -27,14 +27,12 @@ Hypothesis is imported here only: the rest of the kit works without it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import string
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +59,8 @@ from fsm_kernel.protocol import (
 )
 from fsm_kernel.replay import replay_run
 from fsm_kernel.store import SqliteEventStore
-from fsm_kernel.testing._harness import WorkflowHarness
-from fsm_kernel.workflow.children import ChildRequest, ChildResult, bounded_limits
+from fsm_kernel.testing._harness import WorkflowHarness, run_child_in_turn
+from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.compiler import CompiledWorkflow, Waits, compile_workflow
 from fsm_kernel.workflow.decide import CHOOSE
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
@@ -419,9 +417,6 @@ class _ExploringHuman:
         return answer
 
 
-_IN_CHILD: ContextVar[bool] = ContextVar("fsm_kernel_explore_child", default=False)
-
-
 class _ExploringChildren:
     """Child runs of workflow.call / workflow.map states: real runs of the called workflows
     with their own tools drawn the same way, one at a time (so the draws come in an order
@@ -447,20 +442,7 @@ class _ExploringChildren:
             sleep=_no_wait,
             children=self,
         )
-        limits = bounded_limits(spec.limits, request.max_iterations, request.timeout_seconds)
-        nested = _IN_CHILD.get()  # a child's own children run inside its turn
-        async with contextlib.nullcontext() if nested else self._one_at_a_time:
-            token = _IN_CHILD.set(True)
-            try:
-                result = await kernel.run(
-                    request.prompt,
-                    run_id=request.run_id,
-                    limits=limits,
-                    parent_run_id=request.parent_run_id,
-                )
-            finally:
-                _IN_CHILD.reset(token)
-        return result.as_child()
+        return await run_child_in_turn(kernel, spec, request, self._one_at_a_time)
 
 
 async def _no_wait(_seconds: float) -> None:

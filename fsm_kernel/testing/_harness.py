@@ -39,6 +39,7 @@ __all__ = [
     "WorkflowHarness",
     "build_case_tools",
     "declared_transitions",
+    "run_child_in_turn",
 ]
 
 
@@ -416,20 +417,29 @@ class _HarnessChildren:
             sleep=_no_wait,
             children=self,
         )
-        limits = bounded_limits(spec.limits, request.max_iterations, request.timeout_seconds)
-        nested = _IN_CHILD.get()  # a child's own children run inside its turn
-        async with contextlib.nullcontext() if nested else self._one_at_a_time:
-            token = _IN_CHILD.set(True)
-            try:
-                result = await kernel.run(
-                    request.prompt,
-                    run_id=request.run_id,
-                    limits=limits,
-                    parent_run_id=request.parent_run_id,
-                )
-            finally:
-                _IN_CHILD.reset(token)
-        return result.as_child()
+        return await run_child_in_turn(kernel, spec, request, self._one_at_a_time)
+
+
+async def run_child_in_turn(
+    kernel: Kernel, spec: WorkflowSpec, request: ChildRequest, turn: asyncio.Lock
+) -> ChildResult:
+    """Run one child run on `kernel` under its parent's remaining limits, one child at a time
+    (`turn`), so a scripted model's replies go to children in the order they start; a child's
+    own children run inside its turn."""
+    limits = bounded_limits(spec.limits, request.max_iterations, request.timeout_seconds)
+    nested = _IN_CHILD.get()
+    async with contextlib.nullcontext() if nested else turn:
+        token = _IN_CHILD.set(True)
+        try:
+            result = await kernel.run(
+                request.prompt,
+                run_id=request.run_id,
+                limits=limits,
+                parent_run_id=request.parent_run_id,
+            )
+        finally:
+            _IN_CHILD.reset(token)
+    return result.as_child()
 
 
 async def _no_wait(_seconds: float) -> None:
