@@ -23,6 +23,17 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+_ENGINE_HELP = (
+    "local (default): fsm-kernel's own dispatch queue in the config's store; dbos: DBOS "
+    "scheduled workflows and a DBOS queue (pip install 'fsm-kernel[dbos]'; see README, "
+    "Scaling out)"
+)
+
+
+def _engine(p: Any) -> None:
+    p.add_argument("--engine", choices=("local", "dbos"), default="local", help=_ENGINE_HELP)
+
+
 def register(sub: Any) -> None:
     """Add schedule, worker and dispatches."""
     p = sub.add_parser(
@@ -37,12 +48,14 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print cycle results as JSON lines")
     p.add_argument("--base-url", help="model server for every agent (overrides env/workflow)")
     p.add_argument("--model", help="model for every agent")
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_schedule"))
     p = sub.add_parser("worker", help="an extra worker that only executes queued dispatches")
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--concurrency", type=int, help="dispatches this worker runs at once")
     p.add_argument("--base-url")
     p.add_argument("--model")
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_worker"))
     p = sub.add_parser(
         "dispatches",
@@ -63,4 +76,5 @@ def register(sub: Any) -> None:
         metavar="DISPATCH_ID",
         help="cancel this pending or running dispatch instead of listing",
     )
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_dispatches"))

@@ -41,16 +41,18 @@ its parent's workflow end waiting (answer it with `fsm-kernel resume`, outside D
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from dbos import DBOS, DBOSClient, SetWorkflowID, WorkflowHandleAsync
+from dbos._error import DBOSWorkflowCancelledError
 
 from fsm_kernel import errors
 from fsm_kernel.api import Agent
@@ -90,6 +92,9 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TOPIC = "fsm-kernel.answer"
 """The DBOS message topic a waiting run receives its answers on (`HumanAnswer.to_dict()`)."""
+
+_DBOS_ATTEMPTS = 100
+"""DBOS's own default `max_recovery_attempts`."""
 
 _WAIT_SLICE = 24 * 3600.0
 """Seconds one `recv` waits when no timer is due sooner (it is asked again after)."""
@@ -132,7 +137,10 @@ async def _step(name: str, work: Any, *args: Any, **kwargs: Any) -> Any:
         except FsmKernelError as exc:
             return _Failure.of(exc)
 
-    outcome = await DBOS.run_step_async({"name": name}, checkpointed)
+    try:
+        outcome = await DBOS.run_step_async({"name": name}, checkpointed)
+    except DBOSWorkflowCancelledError:  # DBOS.cancel_workflow: the run ends `cancelled`
+        raise asyncio.CancelledError from None
     if isinstance(outcome, _Failure):
         raise outcome.error()
     return outcome
@@ -251,10 +259,19 @@ class DBOSAgent:
         system_database_url: DBOS's system database, recorded in each run's `run.started`
             (without its password) so `fsm-kernel resume`/`signal` can send answers there; else
             they read FSM_KERNEL_DBOS_URL or DBOS_SYSTEM_DATABASE_URL.
+        max_recovery_attempts: how often DBOS recovers a run before it gives up on it (its
+            workflow then ends MAX_RECOVERY_ATTEMPTS_EXCEEDED); default DBOS's, 100.
+        on_result: told each run's result when its workflow ends, in the process that ran it.
     """
 
     def __init__(
-        self, agent: Agent, *, name: str | None = None, system_database_url: str | None = None
+        self,
+        agent: Agent,
+        *,
+        name: str | None = None,
+        system_database_url: str | None = None,
+        max_recovery_attempts: int | None = None,
+        on_result: Callable[[RunResult], None] | None = None,
     ) -> None:
         if agent.store is None:
             raise ConfigError("DBOSAgent needs an Agent with a store: Agent(store=...)")
@@ -266,10 +283,14 @@ class DBOSAgent:
             self.engine["system_database"] = _without_password(system_database_url)
         self._kernel: Kernel | None = None
 
+        self.on_result = on_result
+
         async def run_workflow(run_id: str, prompt: str) -> RunResult:
             return await self._run_workflow(run_id, prompt)
 
-        self._workflow = DBOS.workflow(name=self.name)(run_workflow)
+        attempts = _DBOS_ATTEMPTS if max_recovery_attempts is None else max_recovery_attempts
+        self.workflow = DBOS.workflow(name=self.name, max_recovery_attempts=attempts)(run_workflow)
+        """The DBOS workflow of a run, `(run_id, prompt)`: to enqueue it on a DBOS queue."""
 
     # -- runs -------------------------------------------------------------------------------
 
@@ -285,7 +306,7 @@ class DBOSAgent:
         that exists already does not start it again (DBOS's idempotency)."""
         run_id = run_id or new_id()
         with SetWorkflowID(run_id):
-            await DBOS.start_workflow_async(self._workflow, run_id, prompt)
+            await DBOS.start_workflow_async(self.workflow, run_id, prompt)
         return run_id
 
     async def result(self, run_id: str) -> RunResult:
@@ -318,7 +339,10 @@ class DBOSAgent:
     async def _run_workflow(self, run_id: str, prompt: str) -> RunResult:
         """The DBOS workflow: drive the run from its start (see the module's docstring)."""
         kernel = await self._durable_kernel()
-        return await drive(kernel, run_id, prompt)
+        result = await drive(kernel, run_id, prompt)
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
 
     async def _durable_kernel(self) -> Kernel:
         """The agent's kernel with each collaborator a DBOS step, and the engine recorded in
