@@ -41,7 +41,7 @@ from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import EventType
 from fsm_kernel.scheduler import AgentSpec, SchedulerConfig, StateFile, state_tools
 from fsm_kernel.scheduler.planner import render_prompt
-from fsm_kernel.store import parse_store_location
+from fsm_kernel.store import open_store, parse_store_location
 
 __all__ = ["DBOSFleet", "Outcome", "TickResult", "system_database"]
 
@@ -101,6 +101,8 @@ class DBOSFleet:
     """Told what a tick did, in the process that ran it."""
 
     def __post_init__(self) -> None:
+        self.store = open_store(self.config.store)
+        """The agents' event log, one connection for all of them (closed by `aclose`)."""
         self.queue_name = f"fsm-kernel.{self.config.kernel_id}"
         self.schedule_name = f"fsm-kernel.{self.config.kernel_id}"
         self.agents = {a.agent_id: self._agent(a) for a in self.config.agents}
@@ -111,8 +113,8 @@ class DBOSFleet:
     # -- building ---------------------------------------------------------------------------
 
     def _agent(self, spec: AgentSpec) -> DBOSAgent:
-        """The agent's DBOSAgent; its Agent (the workflow loaded, the store opened) is built
-        as `fsm-kernel run` builds one, with the STATE.md tools, on its first run."""
+        """The agent's DBOSAgent, over an Agent built as the own queue's runner builds one (the
+        workflow beside the config first, the STATE.md tools, the fleet's store)."""
         url = system_database(self.config)
 
         def told(result: RunResult) -> None:
@@ -137,7 +139,7 @@ class DBOSFleet:
             base_url=self.options.base_url,
             timeout=float(self.config.timeout_seconds),
             tools=state_tools(self.config.state_file),
-            store=self.config.store,
+            store=self.store,
             notify=self.config.run_hooks(),
         )
 
@@ -242,6 +244,7 @@ class DBOSFleet:
     async def aclose(self) -> None:
         for agent in self.agents.values():
             await agent.agent.aclose()
+        self.store.close()
 
 
 def list_dispatches(config: SchedulerConfig, *, limit: int) -> list[dict[str, Any]]:
