@@ -42,6 +42,7 @@ its parent's workflow end waiting (answer it with `fsm-kernel resume`, outside D
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -52,7 +53,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from dbos import DBOS, DBOSClient, SetWorkflowID, WorkflowHandleAsync
-from dbos._error import DBOSWorkflowCancelledError
+from dbos._error import DBOSWorkflowCancelledError, DBOSWorkflowConflictIDError
 
 from fsm_kernel import errors
 from fsm_kernel.api import Agent
@@ -141,9 +142,25 @@ async def _step(name: str, work: Any, *args: Any, **kwargs: Any) -> Any:
         outcome = await DBOS.run_step_async({"name": name}, checkpointed)
     except DBOSWorkflowCancelledError:  # DBOS.cancel_workflow: the run ends `cancelled`
         raise asyncio.CancelledError from None
+    except DBOSWorkflowConflictIDError:  # cancelled, or another execution owns it now
+        if await _cancelled():
+            raise asyncio.CancelledError from None
+        raise  # the owner records the run, not this execution
     if isinstance(outcome, _Failure):
         raise outcome.error()
     return outcome
+
+
+async def _cancelled() -> bool:
+    """The current workflow was cancelled (DBOS.cancel_workflow, `dispatches --cancel`).
+    Asked outside the workflow's context: inside it, the question would be a step of its own."""
+    workflow_id = DBOS.workflow_id
+    if workflow_id is None:
+        return False
+    asking = DBOS.get_workflow_status_async(workflow_id)
+    task = asyncio.get_running_loop().create_task(asking, context=contextvars.Context())
+    status = await task
+    return status is not None and status.status == "CANCELLED"
 
 
 class DBOSChatModel:

@@ -260,6 +260,32 @@ def test_the_cli_sends_only_answers_to_a_run_under_dbos(make_app: Callable[..., 
     assert killed.returncode == 0, killed.stderr
 
 
+# --- cancellation -------------------------------------------------------------------------------
+
+
+def test_a_run_cancelled_through_dbos_ends_cancelled_in_its_log(
+    make_app: Callable[..., App],
+) -> None:
+    from dbos import DBOSClient
+
+    app = make_app("work", 2)
+    (app.folder / "slow-1").touch()
+    proc = app.popen("--start", "r1", "two pieces of work")
+    _wait_until(lambda: "start 1" in app.lines("tools.log"), "the first tool call")
+    client = DBOSClient(system_database_url=app.args[3])
+    try:
+        client.cancel_workflow("r1")
+    finally:
+        client.destroy()
+    (app.folder / "slow-1").unlink()  # the call in flight ends; the run stops at its next step
+
+    assert _result(proc) == {"run_id": "r1", "dbos": "CANCELLED"}
+    ended = [e.data for e in app.events("r1") if e.type == EventType.RUN_TERMINATED]
+    assert [(d["reason"], d.get("error")) for d in ended] == [("cancelled", "run cancelled")]
+    assert app.lines("tools.log") == ["start 1", "end 1"]  # the second call never started
+    assert app.lines("model.log") == ["asked after 0"]
+
+
 # --- in process: events, timers, the Python API ------------------------------------------------
 
 WAITING = """\

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dbos import DBOS
+from dbos._error import DBOSAwaitedWorkflowCancelledError
 
 from fsm_kernel import Agent
 from fsm_kernel.integrations.dbos import DBOSAgent
@@ -70,11 +71,15 @@ async def main(args: argparse.Namespace) -> None:
             await agent.start(prompt, run_id=run_id)
         else:
             run_id = args.recover
-        result = await agent.result(run_id)
-        print(json.dumps(result.to_dict()), flush=True)
-    finally:
+        try:
+            result = await agent.result(run_id)
+        except DBOSAwaitedWorkflowCancelledError:
+            print(json.dumps({"run_id": run_id, "dbos": "CANCELLED"}), flush=True)
+        else:
+            print(json.dumps(result.to_dict()), flush=True)
+    finally:  # as the CLI's workers stop: the runs going on here end first
+        await asyncio.to_thread(DBOS.destroy, workflow_completion_timeout_sec=30)
         await agent.agent.aclose()
-        DBOS.destroy()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The test application's tool: `work(n)` writes `start n` and `end n` to tools.log in the
-folder FSM_KERNEL_TEST_DIR names, and sleeps in between while a file `slow-n` is there (so a
-test can kill the process in the middle of the call)."""
+folder FSM_KERNEL_TEST_DIR names, and in between waits while a file `slow-n` is there (at
+most a minute), so a test can kill the process, or cancel the run, in the middle of the call."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def _log(line: str) -> None:
 def work(n: int) -> str:
     """Do the n-th piece of work."""
     _log(f"start {n}")
-    if (Path(os.environ["FSM_KERNEL_TEST_DIR"]) / f"slow-{n}").exists():
-        time.sleep(60)
+    slow, deadline = Path(os.environ["FSM_KERNEL_TEST_DIR"]) / f"slow-{n}", time.time() + 60
+    while slow.exists() and time.time() < deadline:
+        time.sleep(0.05)
     _log(f"end {n}")
     return f"worked {n}"
