@@ -640,6 +640,8 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
     if not args.migrate:  # else agent.resume checks the migration first, then these
         _check_resumable(run, answer)  # the same refusal with an answer or without (exit 2)
         check_answer(run, answer)  # a one-line usage error before anything is built
+    if _runs_under_dbos(run):  # its DBOS workflow drives it: the answer goes there
+        return _send_to_dbos(run, answer, as_json=args.json)
     location = args.store or default_store_location()
 
     async def go(agent: Agent) -> RunResult:
@@ -651,6 +653,31 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
         return result
 
     return commands.execute(args, go)
+
+
+def _runs_under_dbos(run: RecordedRun) -> bool:
+    """The run's `run.started` says a DBOS workflow drives it (fsm_kernel.integrations.dbos)."""
+    settings = run.started.data.get("settings") or {}
+    engine = settings.get("engine") if isinstance(settings, dict) else None
+    return isinstance(engine, dict) and engine.get("name") == "dbos"
+
+
+def _send_to_dbos(run: RecordedRun, answer: HumanAnswer | None, *, as_json: bool) -> int:
+    """Send the answer to the run's DBOS workflow, which goes on with it in its process."""
+    from fsm_kernel.errors import ConfigError
+
+    try:
+        from fsm_kernel.integrations.dbos import send_to_run
+    except ImportError:
+        raise ConfigError(
+            f"run {run.run_id} runs under DBOS: answering it needs pip install 'fsm-kernel[dbos]'"
+        ) from None
+    workflow = send_to_run(run, answer)
+    if as_json:
+        print(json.dumps({"run_id": run.run_id, "status": "sent", "engine": "dbos"}))
+    else:
+        print(f"sent to run {run.run_id}: its DBOS workflow ({workflow}) goes on with it")
+    return 0
 
 
 def _migration_target(run: RecordedRun, given: str | None) -> str:

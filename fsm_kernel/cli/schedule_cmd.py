@@ -23,6 +23,17 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+_ENGINE_HELP = (
+    "local (default): fsm-kernel's own dispatch queue in the config's store; dbos: DBOS "
+    "scheduled workflows and a DBOS queue (pip install 'fsm-kernel[dbos]'; see README, "
+    "Scaling out)"
+)
+
+
+def _engine(p: Any) -> None:
+    p.add_argument("--engine", choices=("local", "dbos"), default="local", help=_ENGINE_HELP)
+
+
 def register(sub: Any) -> None:
     """Add schedule, worker and dispatches."""
     p = sub.add_parser(
@@ -39,6 +50,7 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print cycle results as JSON lines")
     p.add_argument("--base-url", help="model server for every agent (overrides env/workflow)")
     p.add_argument("--model", help="model for every agent")
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_schedule"))
     p = sub.add_parser(
         "worker",
@@ -55,6 +67,7 @@ def register(sub: Any) -> None:
         "resumed run recorded)",
     )
     p.add_argument("--model", help="model for every agent (a resumed run's too)")
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_worker"))
     p = sub.add_parser(
         "dispatches",
@@ -75,4 +88,5 @@ def register(sub: Any) -> None:
         metavar="DISPATCH_ID",
         help="cancel this pending or running dispatch instead of listing",
     )
+    _engine(p)
     p.set_defaults(handler=_lazy("cmd_dispatches"))

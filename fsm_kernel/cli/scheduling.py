@@ -218,6 +218,10 @@ def _install_stop(stop: Any) -> None:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "local") == "dbos":
+        from fsm_kernel.cli import dbos_engine
+
+        return dbos_engine.cmd_schedule(args)
     config, queue, runner = _setup(args)
 
     async def go() -> CycleResult | None:
@@ -253,6 +257,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "local") == "dbos":
+        from fsm_kernel.cli import dbos_engine
+
+        return dbos_engine.cmd_worker(args)
     config, queue, runner = _setup(args)
 
     async def go() -> None:
@@ -275,6 +283,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_dispatches(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "local") == "dbos":
+        from fsm_kernel.cli import dbos_engine
+
+        return dbos_engine.cmd_dispatches(args)
     config = load_scheduler_config(Path(args.config))
     queue = open_queue(config.store)
     try:
