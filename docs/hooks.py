@@ -166,6 +166,8 @@ ENVIRONMENT: dict[str, str] = {
     "`local:PATH.gguf` for any GGUF file).",
     "FSM_KERNEL_API_KEY": "The API key, sent as a Bearer token; never logged, printed or stored.",
     "OPENAI_API_KEY": "Used as the API key when `FSM_KERNEL_API_KEY` is not set.",
+    "FSM_KERNEL_DBOS_URL": "The DBOS system database for runs under DBOS (`--engine dbos`, "
+    "`DBOSAgent`); else `DBOS_SYSTEM_DATABASE_URL`, else the one the run recorded.",
     "FSM_KERNEL_REQUEST_TIMEOUT": "Deadline of one model request, the whole answer included "
     "(seconds, default 120, 0 = none).",
     "FSM_KERNEL_MAX_RETRIES": "Retries of a failed model request (0-100, default 3).",
