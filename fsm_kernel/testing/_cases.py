@@ -38,7 +38,14 @@ from fsm_kernel.testing._harness import WorkflowHarness, build_case_tools
 from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
-__all__ = ["CaseResult", "run_case", "run_test_file"]
+__all__ = [
+    "CaseChildren",
+    "CaseResult",
+    "human_answer",
+    "reply_completion",
+    "run_case",
+    "run_test_file",
+]
 
 
 @dataclass
@@ -127,14 +134,14 @@ async def _run(harness: WorkflowHarness, case: CaseSpec) -> tuple[RunResult, str
             )
         tools = _CaseTools(real, names, case.tools)
         model = _CaseModel(case.model)
-        answers = _CaseAnswers([_answer(harness, a) for a in case.answers])
+        answers = _CaseAnswers([human_answer(harness, a) for a in case.answers])
         result = await harness.arun(
             case.prompt,
             model=model,
             tools=tools,
             human=answers,
             limits=case.limits or None,
-            children=None if case.children is None else _CaseChildren(case.children),
+            children=None if case.children is None else CaseChildren(case.children),
         )
     return result, _unused(model, tools, answers)
 
@@ -171,7 +178,7 @@ class _CaseModel:
         self.asked += 1
         if reply.error is not None:
             raise _failure(reply)
-        return _completion(reply, self.asked)
+        return reply_completion(reply, f"call_{self.asked}")
 
 
 class CaseModelError(FsmKernelError):
@@ -193,10 +200,9 @@ def _failure(reply: ReplySpec) -> AgentError:
     return kind(message, status_code=status)
 
 
-def _completion(reply: ReplySpec, n: int) -> Completion:
-    calls = [
-        _call(c.name, c.arguments, f"call_{n}_{i}") for i, c in enumerate(reply.tool_calls or ())
-    ]
+def reply_completion(reply: ReplySpec, ids: str) -> Completion:
+    """A scripted reply as the model's answer; its tool calls get the ids IDS_0, IDS_1..."""
+    calls = [_call(c.name, c.arguments, f"{ids}_{i}") for i, c in enumerate(reply.tool_calls or ())]
     text = reply.text if reply.text is not None else ""
     if "json_value" in reply.model_fields_set:
         text = json.dumps(reply.json_value, ensure_ascii=False)
@@ -262,7 +268,7 @@ class _CaseAnswers:
         return self.answers.pop(0)
 
 
-class _CaseChildren:
+class CaseChildren:
     """Child runs that end as the case says, in the order they start."""
 
     def __init__(self, children: Sequence[ChildSpec]) -> None:
@@ -288,7 +294,8 @@ class _CaseChildren:
         )
 
 
-def _answer(harness: WorkflowHarness, a: AnswerSpec) -> HumanAnswer:
+def human_answer(harness: WorkflowHarness, a: AnswerSpec) -> HumanAnswer:
+    """A scripted answer as the run receives it."""
     if a.approve:
         return HumanAnswer.approve(by=a.by)
     if a.reject is not None:

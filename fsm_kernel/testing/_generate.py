@@ -38,10 +38,10 @@ from fsm_kernel.protocol import (
     ToolCall,
     ToolResult,
 )
-from fsm_kernel.testing._cases import run_path
+from fsm_kernel.testing._casefile import AnswerSpec, ChildSpec, ReplySpec
+from fsm_kernel.testing._cases import CaseChildren, human_answer, reply_completion, run_path
 from fsm_kernel.testing._harness import WorkflowHarness, declared_transitions
 from fsm_kernel.testing._models import FunctionChatModel
-from fsm_kernel.testing._replies import as_completion, call
 from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.decide import CHOOSE
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
@@ -231,7 +231,9 @@ class _Search:
         replies = [(i, s) for i, s in enumerate(script) if s.reply is not None]
         answers = [s.answer for s in script if s.answer is not None]
         results = {
-            f"gen_{i}": s.tool_result[1] for i, s in enumerate(script) if s.tool_result is not None
+            f"gen_{i}_0": s.tool_result[1]
+            for i, s in enumerate(script)
+            if s.tool_result is not None
         }
         children = [s.child for s in script if s.child is not None]
         pending: dict[str, Any] = {}
@@ -241,10 +243,12 @@ class _Search:
                 pending.setdefault("request", (messages, tools))  # the first one: where to extend
                 raise _OutOfScript
             position, step = replies.pop(0)
-            return _completion(step.reply or {}, f"gen_{position}")
+            return reply_completion(ReplySpec.model_validate(step.reply), f"gen_{position}")
 
         model = _Model(reply, pending)
-        human = _Human([_human_answer(a) for a in answers], pending)
+        human = _Human(
+            [human_answer(self.harness, AnswerSpec.model_validate(a)) for a in answers], pending
+        )
         tools = _ScriptedTools(self.harness, results)
         result = asyncio.run(
             self.harness.arun(
@@ -264,7 +268,7 @@ class _Search:
             status=result.status,
             reason=None if result.termination_reason is None else str(result.termination_reason),
             response=result.response or "",
-            ran={int(call_id.removeprefix("gen_")) for call_id in tools.ran},
+            ran={int(call_id.split("_")[1]) for call_id in tools.ran},
         )
         if "child" in pending:
             outcome.child = pending["child"]
@@ -431,27 +435,19 @@ class _Human:
         raise Suspended(question)
 
 
-class _ScriptedChildren:
-    """Child runs that end as scripted (`{ok, reason, answer}`), in the order they start; when
-    the script has none left, the workflow asked for is noted and the child fails."""
+class _ScriptedChildren(CaseChildren):
+    """Child runs that end as scripted, in the order they start; when the script has none
+    left, the workflow asked for is noted and the child fails."""
 
     def __init__(self, outcomes: list[Mapping[str, Any]], pending: dict[str, Any]) -> None:
-        self.outcomes, self.pending = list(outcomes), pending
+        super().__init__([ChildSpec.model_validate(o) for o in outcomes])
+        self.pending = pending
 
     async def run(self, request: ChildRequest) -> ChildResult:
-        if not self.outcomes:
+        if self.started >= len(self.children):
             self.pending.setdefault("child", request.workflow)
             raise _OutOfScript
-        scripted = self.outcomes.pop(0)
-        return ChildResult(
-            run_id=request.run_id,
-            workflow=request.workflow,
-            reason=str(scripted.get("reason") or "final_answer"),
-            ok=bool(scripted.get("ok", True)),
-            answer=str(scripted.get("answer") or ""),
-            output=scripted.get("output"),
-            iterations=int(scripted.get("iterations") or 0),  # counted against the caller's cap
-        )
+        return await super().run(request)
 
 
 class _ScriptedTools:
@@ -530,20 +526,6 @@ def _other(value: Any) -> Any:
     return f"not {value}"
 
 
-def _human_answer(answer: Mapping[str, Any]) -> HumanAnswer:
-    """A test file's answer (`{approve: true}`, `{reject: why}`, `{input: text}`, `{event:
-    name}`, `{timer: edge}`) as the run receives it."""
-    if answer.get("approve"):
-        return HumanAnswer.approve(by="test")
-    if "reject" in answer:
-        return HumanAnswer.reject(str(answer["reject"]), by="test")
-    if "input" in answer:
-        return HumanAnswer.input(str(answer["input"]), by="test")
-    if "event" in answer:
-        return HumanAnswer.signal(str(answer["event"]), answer.get("data"), by="test")
-    return HumanAnswer.timer_fired(int(answer["timer"]))
-
-
 def _kind(step: Step) -> str:
     """What kind of input a step is, for telling the search's situations apart."""
     if step.tool_result is not None:
@@ -551,14 +533,6 @@ def _kind(step: Step) -> str:
     if step.child is not None:
         return "child ok" if step.child.get("ok") else "child failed"
     return "answer" if step.answer is not None else json.dumps(step.reply, sort_keys=True)[:40]
-
-
-def _completion(reply: Mapping[str, Any], call_id: str) -> Completion:
-    calls = reply.get("tool_calls")
-    if calls:
-        first = calls[0]
-        return call(str(first["name"]), dict(first.get("arguments") or {}), id=call_id)
-    return as_completion(str(reply.get("text", "")))
 
 
 def _tool_step(name: str, args: Mapping[str, Any], result: Mapping[str, Any]) -> Step:
