@@ -10,13 +10,14 @@ was false there, the one taken true.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import Event, EventType
-from fsm_kernel.testing._harness import declared_transitions
+from fsm_kernel.testing._harness import DeclaredTransition, declared_transitions
 from fsm_kernel.workflow.compound import edges_tried
 from fsm_kernel.workflow.spec import WorkflowSpec
 
@@ -34,6 +35,11 @@ class CaseCoverage:
     outcomes: dict[str, set[bool]] = field(default_factory=dict)
     """Per condition (an edge's guard label, or one check of it): the values seen."""
     reasons: set[str] = field(default_factory=set)
+
+    @functools.cached_property
+    def _declared(self) -> dict[int, DeclaredTransition]:
+        """The declared transitions and catch edges by index (read once)."""
+        return {d.index: d for d in declared_transitions(self.spec)}
 
     def add(self, result: RunResult) -> None:
         """Count one case's run."""
@@ -67,14 +73,14 @@ class CaseCoverage:
                 break
 
     def _edge(self, index: int, *, guard: bool = True) -> str:
-        t = next(d for d in declared_transitions(self.spec) if d.index == index)
+        t = self._declared[index]
         return f"{t.source} → {t.target}" + (f" [{t.guard}]" if t.guard and guard else "")
 
     # -- the figures ------------------------------------------------------------------------
 
     @property
     def declared_edges(self) -> list[int]:
-        return [d.index for d in declared_transitions(self.spec)]
+        return list(self._declared)
 
     @property
     def edge_percent(self) -> float:
