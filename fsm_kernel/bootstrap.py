@@ -28,10 +28,11 @@ from fsm_kernel.agent.local import (
     small_model_setting,
 )
 from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
-from fsm_kernel.errors import ConfigError, WorkflowValidationError
+from fsm_kernel.errors import ConfigError, ResumeError, WorkflowValidationError
 from fsm_kernel.kernel import Kernel
 from fsm_kernel.memory import build_system_prompt, load_memory
 from fsm_kernel.protocol import ChatModel, EventStore
+from fsm_kernel.replay import RecordedRun
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.mcp_client import McpRef, McpServers, parse_ref
 from fsm_kernel.tools.registry import build_tool, import_tools
@@ -144,6 +145,27 @@ def pinned_spec(text: str, path: str | None) -> WorkflowSpec:
         if folder not in sys.path:
             sys.path.insert(0, folder)
     return load_workflow_text(text, path=where)
+
+
+def recorded_workflow(run: RecordedRun) -> WorkflowSpec | str:
+    """The definition a recorded run follows: the text it recorded (run.started, or the
+    run.resumed that moved it), as a spec pinned to its recorded path; for a log an older
+    fsm-kernel wrote, without the text, the recorded path (the caller loads the file and checks
+    it against the recorded sha256 as it needs).
+
+    Raises:
+        ResumeError: the run recorded neither its workflow's text nor a path.
+    """
+    text = run.definition[1]
+    path = run.started.data.get("workflow_path")
+    if text is not None:
+        return pinned_spec(text, str(path) if path else None)
+    if not path:
+        raise ResumeError(
+            f"run {run.run_id} recorded neither its workflow text nor a path; pass --workflow",
+            run_id=run.run_id,
+        )
+    return str(path)
 
 
 def resolve_workflow(name_or_path: str | Path) -> Path:

@@ -19,7 +19,7 @@ from datetime import datetime
 from itertools import zip_longest
 from typing import Any, Literal
 
-from fsm_kernel.bootstrap import load_spec, pinned_spec
+from fsm_kernel.bootstrap import load_spec, recorded_workflow
 from fsm_kernel.diagram import HeatOverlay
 from fsm_kernel.errors import FsmKernelError, ResumeError
 from fsm_kernel.protocol import Event, EventStore, RunFilter, RunSummary
@@ -472,13 +472,14 @@ def recorded_spec(run: RecordedRun) -> WorkflowSpec:
         Unreplayable: no text, and no file with the recorded content.
         WorkflowError: the recorded definition no longer loads (e.g. a guard it names is gone).
     """
-    digest, text = run.definition
-    path = run.started.data.get("workflow_path")
-    if text is not None:
-        return pinned_spec(text, str(path) if path else None)
-    if not path:
-        raise Unreplayable(f"run {run.run_id} recorded neither its workflow text nor a path")
-    spec = load_spec(str(path))
+    try:
+        found = recorded_workflow(run)
+    except ResumeError as exc:
+        raise Unreplayable(exc.message) from None
+    if isinstance(found, WorkflowSpec):
+        return found
+    digest, path = run.definition[0], found
+    spec = load_spec(path)
     if digest and spec.content_hash != digest:
         raise Unreplayable(
             f"run {run.run_id} recorded no workflow text and its file {path} changed since "

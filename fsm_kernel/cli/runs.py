@@ -605,18 +605,9 @@ def _recorded_workflow(run: RecordedRun, override: str | WorkflowSpec | None) ->
     """The workflow to go on with: --workflow if given, else the text the run recorded (it is
     pinned to it even after its file changed), else (a log from an older fsm-kernel) the file
     at the recorded path, which resume checks against the recorded hash."""
-    from fsm_kernel.bootstrap import pinned_spec
-    from fsm_kernel.errors import ResumeError
+    from fsm_kernel.bootstrap import recorded_workflow
 
-    if override:
-        return override
-    text = run.definition[1]
-    if text is not None:
-        return pinned_spec(text, run.started.data.get("workflow_path"))
-    path = run.started.data.get("workflow_path")
-    if not path:
-        raise ResumeError(f"run {run.run_id} recorded no workflow path; pass --workflow")
-    return str(path)
+    return override or recorded_workflow(run)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

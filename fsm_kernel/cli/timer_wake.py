@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from fsm_kernel.api import Agent
-from fsm_kernel.bootstrap import load_spec, pinned_spec
-from fsm_kernel.errors import FsmKernelError, ResumeError, StoreConflictError
+from fsm_kernel.bootstrap import load_spec, recorded_workflow
+from fsm_kernel.errors import FsmKernelError, StoreConflictError
 from fsm_kernel.protocol import Clock, SystemClock
 from fsm_kernel.replay import RecordedRun
 from fsm_kernel.scheduler import DispatchQueue, SchedulerConfig, open_queue, state_tools
@@ -69,13 +69,9 @@ def recorded_spec(location: str, run_id: str) -> tuple[WorkflowSpec, str]:
     """
     with open_store(location, read_only=True) as store:
         run = RecordedRun.load(store, run_id)
+    found = recorded_workflow(run)
     path = str(run.started.data.get("workflow_path") or "")
-    text = run.definition[1]
-    if text is not None:
-        return pinned_spec(text, path or None), path
-    if not path:
-        raise ResumeError(f"run {run_id} recorded no workflow to resume it with", run_id=run_id)
-    return load_spec(path), path
+    return (found if isinstance(found, WorkflowSpec) else load_spec(found)), path
 
 
 def timer_waker(
