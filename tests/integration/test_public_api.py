@@ -1,5 +1,5 @@
 """The public Python API: `fsm_kernel.run/arun`, `Agent` (concurrent runs, resume, replay,
-stream), the pinned `__all__`, and the README's "Use from Python" examples, run for real
+stream), the pinned `__all__`, and the "Embed in Python" guide's examples, run for real
 against the fake server over loopback HTTP."""
 
 from __future__ import annotations
@@ -237,20 +237,19 @@ def fsm_kernel_function_model(fn: object) -> object:
     return FunctionChatModel(fn)  # type: ignore[arg-type]
 
 
-# --- the README's examples, run as written --------------------------------------------------
+# --- the docs' examples (docs/how-to/python.md), run as written in a fresh process ---------
 
 
-def readme_examples() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Use from Python") : text.index("## Workflow files")]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+def guide_examples() -> list[str]:
+    text = (REPO / "docs" / "how-to" / "python.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
 @pytest.mark.parametrize("index", range(3))
-def test_the_readme_examples_run(
+def test_the_python_guide_examples_run(
     index: int, server: FakeOpenAIServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    examples = readme_examples()
+    examples = guide_examples()
     assert len(examples) == 3
     monkeypatch.chdir(tmp_path)
     server.enqueue(

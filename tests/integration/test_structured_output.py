@@ -516,15 +516,14 @@ def test_the_local_model_answers_under_the_schema(tmp_path: Path) -> None:
     assert json.loads(result.response) == result.output
 
 
-# --- the README's example --------------------------------------------------------------------
+# --- the structured-output guide's example ---------------------------------------------------
 
 
-def test_the_readme_example_runs_as_written(
+def test_the_guide_example_runs_as_written(
     server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Structured output") :]
-    (example,) = re.findall(r"```yaml\n(.*?)```", section, re.S)[:1]
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "structured-output.md"
+    (example,) = re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)[:1]
     workflow = tmp_path / "forecast.yaml"
     workflow.write_text(example)
     server.enqueue(

@@ -243,12 +243,11 @@ def test_schema_describes_retry_catch_and_state_agent(capsys: pytest.CaptureFixt
     assert defs["CatchSpec"]["properties"]["error"]["enum"] == ["agent_error", "error", "any"]
 
 
-def test_the_readme_example_is_a_valid_workflow() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Recovering from errors") :]
-    block = section[section.index("```yaml\n") + 8 : section.index("```\n", 8)]
+def test_the_guide_example_is_a_valid_workflow() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "errors.md"
+    block = page.read_text().split("```yaml\n")[1].split("```")[0]
 
-    spec = load_workflow_text(block, path="README.md")
+    spec = load_workflow_text(block, path=str(page))
 
     assert [(c.source, c.target, c.error) for c in spec.catch_edges()] == [
         ("think", "fallback", "agent_error"),

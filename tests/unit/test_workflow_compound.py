@@ -285,10 +285,10 @@ def test_an_unknown_compound_error_never_crashes_loading() -> None:
         load_workflow_text("name: x\ninitial: a\nstates:\n  a: {states: {}}\ntransitions: []\n")
 
 
-def test_the_readme_example_is_valid_and_the_same_as_the_tests() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("### Compound states")[1].split("```yaml\n")[1].split("```")[0]
-    spec = load_workflow_text("name: readme\ntools: [read_file]\n" + block, path="README.md")
+def test_the_guide_example_is_valid_and_the_same_as_the_tests() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "compound-states.md"
+    block = page.read_text(encoding="utf-8").split("```yaml\n")[1].split("```")[0]
+    spec = load_workflow_text(block, path=str(page))
     tested = load_workflow(RESEARCH)
     assert [spec.state_path(s) for s in spec.states] == [
         tested.state_path(s) for s in tested.states

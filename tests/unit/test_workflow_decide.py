@@ -404,11 +404,10 @@ def test_a_choice_with_quotes_draws_valid_dot() -> None:
     assert 'route --> research : 1. “say "hi", then — go”' in to_mermaid(spec)
 
 
-def test_the_readme_example_offers_write_only_after_a_model_call() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### agent.decide: edges the model chooses")[1]
-    block = section.split("```yaml\n")[1].split("```")[0]
-    harness = WorkflowHarness(load_workflow_text("name: readme\n" + block, path="README.md"))
+def test_the_guide_example_offers_write_only_after_a_model_call() -> None:
+    page = REPO / "docs" / "how-to" / "decide.md"
+    block = page.read_text(encoding="utf-8").split("```yaml\n")[1].split("```")[0]
+    harness = WorkflowHarness(load_workflow_text(block, path=str(page)))
 
     assert harness.choices("route") == [LOOK]  # when: "iteration > 0" is false at first
     assert harness.choices("route", iteration=2) == [LOOK, WRITE]

@@ -1,5 +1,5 @@
-"""The README's testing-harness example runs as written from any folder: the test reads the
-code block out of README.md, so the two cannot drift apart."""
+"""The testing guide's harness example runs as written from any folder: the test reads the
+code block out of docs/how-to/testing.md, so the two cannot drift apart."""
 
 from __future__ import annotations
 
@@ -10,20 +10,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SECTION = "### The Python kit: one transition at a time"
+SECTION = "## One transition at a time"
+PAGE = REPO / "docs" / "how-to" / "testing.md"
 
 
-def readme_snippet() -> str:
-    """The first Python block of the README's section on the testing harness."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index(SECTION) :]
+def guide_snippet() -> str:
+    """The first Python block of the testing guide's section on the harness."""
+    page = PAGE.read_text(encoding="utf-8")
+    section = page[page.index(SECTION) :]
     block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert block is not None, f"no python block under {SECTION!r}"
     return block.group(1)
 
 
-def test_the_readme_harness_example_passes_outside_the_repository(tmp_path: Path) -> None:
-    snippet = readme_snippet()
+def test_the_guide_harness_example_passes_outside_the_repository(tmp_path: Path) -> None:
+    snippet = guide_snippet()
     assert "WorkflowHarness(" in snippet
     (tmp_path / "test_my_workflow.py").write_text(snippet, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
