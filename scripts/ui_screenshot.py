@@ -1,5 +1,5 @@
-"""Regenerate docs/ui-run.png, the run viewer's screenshot in the README: a real run of the
-default workflow against the fake OpenAI-compatible server (two tool calls, then an answer),
+"""Regenerate docs/ui-run.png, the run viewer's screenshot in docs/how-to/viewer.md: a real run of
+the default workflow against the fake OpenAI-compatible server (two tool calls, then an answer),
 recorded in a throwaway store, shown by `fsm-kernel ui` in headless Chromium.
 
     python scripts/ui_screenshot.py [--out docs/ui-run.png] [--chromium /usr/bin/chromium]

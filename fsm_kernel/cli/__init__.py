@@ -45,7 +45,7 @@ EXIT_CODES_HELP = (
     "'fsm-kernel resume RUN_ID --approve | --reject WHY | --input TEXT') or, in a waiting "
     "state, for an event or its timer (send the event with the signal command)."
 )
-"""The one table of exit codes, the epilog of every command's --help (and in the README)."""
+"""The one table of exit codes: the epilog of every command's --help, and the docs' reference."""
 
 _BAD_INPUT: tuple[type[FsmKernelError], ...] = (
     WorkflowError,

@@ -25,8 +25,8 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
 
 _ENGINE_HELP = (
     "local (default): fsm-kernel's own dispatch queue in the config's store; dbos: DBOS "
-    "scheduled workflows and a DBOS queue (pip install 'fsm-kernel[dbos]'; see README, "
-    "Scaling out)"
+    "scheduled workflows and a DBOS queue (pip install 'fsm-kernel[dbos]'; see the docs' "
+    "Scaling out page, docs/how-to/scaling-out.md)"
 )
 
 

@@ -42,7 +42,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "tool_failures": ("int", "tool calls that failed in a row (reset by a success)"),
     "last_tool": ("dyn", "the name of the last tool called (string), null before any"),
 }
-"""The names an expression may use: name -> (CEL type, meaning). README's table lists them."""
+"""The names an expression may use: name -> (CEL type, meaning), listed in the table of
+docs/how-to/expressions.md."""
 
 _NUMERIC = {"int", "uint", "double", "number"}
 _FUNCTIONS = {

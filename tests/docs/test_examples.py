@@ -9,8 +9,8 @@ tests/docs/_blocks.py):
   shows it: progress and answer in the order they appear) and its output must match the lines
   shown under it, after ids, times and durations are masked; a line `...` stands for any lines.
   FSM_KERNEL_DOCS_REGEN=1 writes the actual output into the page instead (review the diff).
-- `sh`/`bash` blocks run in bash and must exit 0 (README.md's only have their commands checked:
-  they are the lead's, without directives).
+- `sh`/`bash` blocks run in bash and must exit 0 (CONTRIBUTING.md's only have their commands
+  checked: they install packages and run the checks themselves).
 - `python` blocks run in a Python process of their own and must exit 0.
 - `yaml` blocks must parse; one that is a whole workflow must pass `fsm-kernel validate`.
 - Every `fsm-kernel ...` line in any block is parsed by the real argument parser, so a renamed
@@ -46,13 +46,7 @@ REGEN = os.environ.get("FSM_KERNEL_DOCS_REGEN") == "1"
 TIMEOUT = 60.0
 SHELLS = {"sh", "bash", "shell"}
 DEFAULT_REPLIES = ["Done."] * 40
-"""What the fake model answers a block that scripts nothing (README.md's Python examples)."""
-
-README_SKIP = {
-    'result = fsm_kernel.run("forecast.yaml"': "needs forecast.yaml and myapp.models",
-}
-"""README.md blocks that cannot run as they stand, by their first line (the README carries no
-directives while others edit it; its content runs from the docs pages)."""
+"""What the fake model answers a Python block that scripts nothing."""
 
 UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 MASKS = [
@@ -125,7 +119,7 @@ class Page:
 
     def __init__(self, path: Path, folder: Path, server: FakeOpenAIServer) -> None:
         self.path, self.folder, self.server = path, folder, server
-        self.readme = path.name in ("README.md", "CONTRIBUTING.md")
+        self.commands_only = path.name == "CONTRIBUTING.md"
         self.ids: dict[str, str] = {}
         """A run id the page shows → the id of the run this test made in its place."""
         self.edits: list[tuple[Block, list[str]]] = []
@@ -164,7 +158,7 @@ class Page:
             self.python(block)
         elif block.lang == "console":
             self.console(block)
-        elif block.lang in SHELLS and not self.readme:
+        elif block.lang in SHELLS and not self.commands_only:
             self.shell(block)
         elif "output" in block.directives:
             expected = normalise(block.text)
@@ -215,9 +209,6 @@ class Page:
         assert done.returncode == 0, f"{self.path.name} {block.where}: {done.stderr}"
 
     def python(self, block: Block) -> None:
-        first = block.text.strip().splitlines()[0] if block.text.strip() else ""
-        if self.readme and any(first.startswith(k) for k in README_SKIP):
-            return
         script = self.folder / f"_block_{block.line}.py"
         script.write_text(block.text, encoding="utf-8")
         done = subprocess.run(
