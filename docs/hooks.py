@@ -14,6 +14,10 @@ file of the repository:
 - diagrams/NAME.svg: each stock workflow drawn by the real `dot` (the committed
   diagrams/*.svg when Graphviz is not installed).
 
+`on_page_markdown` draws charts: a table preceded by `<!-- chart: TITLE | columns=1,2 -->` gets
+an SVG bar chart of those columns below it, drawn from the table's own figures, so a chart can
+never show other numbers than the table beside it.
+
 tests/docs/test_reference.py imports this module to check that nothing is left undescribed.
 """
 
@@ -706,6 +710,114 @@ def stock_diagrams() -> dict[str, str]:
         else:
             drawn[path.stem] = (ROOT / "diagrams" / f"{path.stem}.svg").read_text("utf-8")
     return drawn
+
+
+# --- charts drawn from the pages' own tables ---------------------------------------------------
+
+CHART_DIRECTIVE = re.compile(
+    r"^<!-- chart: (?P<title>[^|>]+?)(?: \| columns=(?P<cols>[\d,]+))? -->\n"
+)
+CHART_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+CHART_COLOURS = ("#3f51b5", "#9e9e9e", "#ff9800", "#4caf50")
+CHART_ROW, CHART_LABEL, CHART_BARS = 22, 250, 330
+
+
+def chart_value(cell: str) -> float | None:
+    """The first number of a table cell (`2,433 [1,736 / ...]` → 2433.0); None for `—`."""
+    found = CHART_NUMBER.search(cell)
+    return float(found.group(0).replace(",", "")) if found else None
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def parse_chart_table(
+    lines: list[str], columns: list[int]
+) -> tuple[list[str], list[tuple[str, list[float | None]]]]:
+    """A Markdown table's series names (the headers of `columns`) and its rows' values."""
+    header = _cells(lines[0])
+    rows = []
+    for line in lines[2:]:
+        cells = _cells(line)
+        rows.append((cells[0].replace("`", ""), [chart_value(cells[c]) for c in columns]))
+    return [header[c] for c in columns], rows
+
+
+def _xml(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:g}"
+
+
+def ours(label: str) -> bool:
+    """A row of fsm-kernel's own (drawn in colour among grey peers)."""
+    return label.startswith("fsm-kernel") or not label[:1].isalpha()
+
+
+def chart_svg(title: str, series: list[str], rows: list[tuple[str, list[float | None]]]) -> str:
+    """A horizontal bar chart: one group of bars per row, one bar per series, to scale."""
+    top = max((v for _, values in rows for v in values if v is not None), default=1.0) or 1.0
+    per_row = CHART_ROW * len(series) + 8
+    legend = 22 if len(series) > 1 else 0
+    height = 30 + legend + per_row * len(rows)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" width="100%" '
+        f'viewBox="0 0 {CHART_LABEL + CHART_BARS + 80} {height}" font-family="sans-serif" '
+        f'font-size="12"><title>{_xml(title)}</title>',
+        f'<text x="0" y="16" font-weight="bold">{_xml(title)}</text>',
+    ]
+    for i, name in enumerate(series if legend else []):
+        x = CHART_LABEL + i * 120
+        out.append(f'<rect x="{x}" y="26" width="12" height="12" fill="{CHART_COLOURS[i % 4]}"/>')
+        out.append(f'<text x="{x + 16}" y="37">{_xml(name)}</text>')
+    y = 30 + legend
+    for label, values in rows:
+        out.append(
+            f'<text x="0" y="{y + CHART_ROW * len(series) / 2 + 4:.0f}">{_xml(label)}</text>'
+        )
+        for i, value in enumerate(values):
+            if value is not None:
+                width = CHART_BARS * value / top
+                colour = CHART_COLOURS[i % 4] if len(series) > 1 or ours(label) else "#9e9e9e"
+                out.append(
+                    f'<rect x="{CHART_LABEL}" y="{y + 2}" width="{width:.1f}" '
+                    f'height="{CHART_ROW - 6}" fill="{colour}"/>'
+                )
+                out.append(
+                    f'<text x="{CHART_LABEL + width + 4:.1f}" y="{y + 15}">{_fmt(value)}</text>'
+                )
+            y += CHART_ROW
+        y += 8
+    return "".join(out) + "</svg>"
+
+
+def with_charts(markdown: str) -> str:
+    """`markdown` with a chart drawn below each table its `<!-- chart: ... -->` names."""
+    out: list[str] = []
+    lines = markdown.split("\n")
+    i = 0
+    while i < len(lines):
+        directive = CHART_DIRECTIVE.match(lines[i] + "\n")
+        out.append(lines[i])
+        i += 1
+        if not directive:
+            continue
+        start = i
+        while i < len(lines) and lines[i].startswith("|"):
+            i += 1
+        table = lines[start:i]
+        columns = [int(c) for c in (directive["cols"] or "1").split(",")]
+        series, rows = parse_chart_table(table, columns)
+        svg = chart_svg(directive["title"].strip(), series, rows)
+        out += [*table, "", f'<div class="chart">{svg}</div>']
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    return with_charts(markdown) if "<!-- chart:" in markdown else markdown
 
 
 # --- MkDocs -------------------------------------------------------------------------------------
