@@ -365,6 +365,69 @@ def schema_keys() -> list[tuple[str, str, dict[str, Any], bool]]:
     ]
 
 
+def _example_sources() -> Iterator[Any]:
+    """Every workflow the project shows (the stock ones, then the docs' YAML blocks, whole
+    workflows and fragments of one)."""
+    import yaml
+
+    from fsm_kernel.workflow.loader import StrictBoolLoader  # `on:` is a key, not True
+
+    texts = [p.read_text("utf-8") for p in sorted((ROOT / "workflows").glob("*.yaml"))]
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        texts += re.findall(r"```ya?ml\n(.*?)```", page.read_text("utf-8"), re.S)
+    for text in texts:
+        try:
+            data = yaml.load(text, Loader=StrictBoolLoader)  # a SafeLoader
+        except yaml.YAMLError:
+            continue
+        if isinstance(data, list) and all(isinstance(e, dict) and "source" in e for e in data):
+            data = {"transitions": data}  # a fragment of edges
+        if isinstance(data, dict) and "cases" not in data:  # not a test file
+            yield data
+
+
+def _walk_examples(
+    value: Any, node: dict[str, Any], models: dict[str, Any], found: dict[str, Any]
+) -> None:
+    """Record, per `Model.key`, the first value `value` holds for it (walking the schema)."""
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        props = models[name].get("properties", {})
+        for key, item in value.items() if isinstance(value, dict) else ():
+            if key in props:
+                found.setdefault(f"{name}.{key}", item)
+                _walk_examples(item, props[key], models, found)
+    for branch in node.get("anyOf", []):
+        _walk_examples(value, branch, models, found)
+    if node.get("type") == "array" and isinstance(value, list):
+        for item in value:
+            _walk_examples(item, node.get("items", {}), models, found)
+    extra = node.get("additionalProperties")
+    if node.get("type") == "object" and isinstance(extra, dict) and isinstance(value, dict):
+        for item in value.values():
+            _walk_examples(item, extra, models, found)
+
+
+def schema_examples() -> dict[str, str]:
+    """`Model.key` → an example of the key, as written in a stock workflow or the docs."""
+    import yaml
+
+    from fsm_kernel.workflow.spec import WorkflowSpec
+
+    schema = WorkflowSpec.model_json_schema()
+    models = {"WorkflowSpec": schema, **schema.get("$defs", {})}
+    found: dict[str, Any] = {}
+    for data in _example_sources():
+        _walk_examples(data, {"$ref": "#/WorkflowSpec"}, models, found)
+    examples = {}
+    for name, value in found.items():
+        key = name.split(".", 1)[1]
+        text = yaml.safe_dump({key: value}, default_flow_style=True, width=10**6, sort_keys=False)
+        text = text.strip()[1:-1].strip()
+        examples[name] = text if len(text) <= 80 else text[:77] + "…"
+    return examples
+
+
 def workflow_page() -> str:
     from fsm_kernel.workflow.spec import WorkflowSpec
 
@@ -374,9 +437,11 @@ def workflow_page() -> str:
         GENERATED_NOTE,
         "Every key a workflow file may hold, read from the JSON Schema that `fsm-kernel "
         "schema` prints (point your editor's YAML language server at it for completion). "
-        "The [workflow guide](../how-to/workflows.md) shows each with an example; "
+        "Each example is taken from a stock workflow or a guide, where it runs in the test "
+        "suite; the [workflow guide](../how-to/workflows.md) explains the keys in context and "
         "[semantics](../explanation/semantics.md) says what a run does with them.\n\n",
     ]
+    examples = schema_examples()
     by_model: dict[str, list[list[str]]] = {}
     for model, key, node, required in schema_keys():
         default = (
@@ -386,7 +451,14 @@ def workflow_page() -> str:
             if "default" in node
             else ""
         )
-        row = [f"`{key}`", _type(node), default, schema_description(model, key, node)]
+        example = examples.get(f"{model}.{key}", "")
+        row = [
+            f"`{key}`",
+            _type(node),
+            default,
+            schema_description(model, key, node),
+            f"`{example}`" if example else "",
+        ]
         by_model.setdefault(model, []).append(row)
     for model, rows in by_model.items():
         body = schema if model == "WorkflowSpec" else schema["$defs"][model]
@@ -395,7 +467,7 @@ def workflow_page() -> str:
         out.append(f"## {title}{anchor}\n\n")
         if body.get("description"):
             out.append(" ".join(body["description"].split()) + "\n\n")
-        out.append(_table(["key", "type", "default", "description"], rows) + "\n")
+        out.append(_table(["key", "type", "default", "description", "example"], rows) + "\n")
     return "".join(out)
 
 

@@ -30,6 +30,15 @@ def hooks() -> ModuleType:
     return module
 
 
+def test_every_workflow_key_has_an_example_from_a_tested_page(hooks: ModuleType) -> None:
+    examples = hooks.schema_examples()
+    keys = [f"{m}.{k}" for m, k, _, _ in hooks.schema_keys()]
+    missing = [k for k in keys if k not in examples]
+    assert not missing, f"workflow keys no stock workflow or guide shows: {missing}"
+    assert examples["Limits.max_iterations"] == "max_iterations: 10"  # the stock workflows'
+    assert examples["NotifySpec.on"].startswith("'on': [")  # read as a key, not as true
+
+
 def test_every_workflow_key_has_a_description(hooks: ModuleType) -> None:
     keys = hooks.schema_keys()
     missing = [f"{m}.{k}" for m, k, node, _ in keys if not hooks.schema_description(m, k, node)]
