@@ -37,6 +37,7 @@ from fsm_kernel.testing._casefile import (
 from fsm_kernel.testing._harness import WorkflowHarness, build_case_tools
 from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
+from fsm_kernel.workflow.spec import TERMINATION_REASONS
 
 __all__ = [
     "CaseChildren",
@@ -101,6 +102,11 @@ def run_case(
 ) -> CaseResult:
     """Run one case and compare what it did with its `expect:`."""
     where = str(loaded.where(name))
+    impossible = _impossible_reason(harness, case.expect.reason)
+    if impossible:
+        at = loaded.locations.get(("cases", name, "expect", "reason"))
+        where = str(at or where)
+        return CaseResult(str(loaded.path), name, where, False, impossible, broken=True)
     started = time.perf_counter()
     try:
         result, unused = asyncio.run(_run(harness, case))
@@ -111,6 +117,22 @@ def run_case(
     difference = first_difference(harness, case.expect, result) or unused
     return CaseResult(
         str(loaded.path), name, where, difference is None, difference, seconds=seconds, run=result
+    )
+
+
+def _impossible_reason(harness: WorkflowHarness, reason: str | None) -> str | None:
+    """Why `expect: reason:` names a reason no run of the workflow can end with (a typo, or
+    a reason of another workflow): the case is broken, whatever the run does."""
+    spec = harness.spec
+    named = {str(t.reason) for t in spec.transitions if t.reason}
+    named |= {str(c.reason) for c in spec.catch_edges() if c.reason}
+    possible = set(TERMINATION_REASONS) | set(spec.reasons) | named
+    if reason is None or reason in possible:
+        return None
+    own = sorted(set(spec.reasons) | named)
+    return (
+        f"expect: reason: {reason!r} is no reason this workflow can end with "
+        f"(its own: {', '.join(own) or 'none'}; or one of the kernel's)"
     )
 
 

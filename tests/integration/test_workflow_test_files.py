@@ -146,6 +146,27 @@ def test_a_tool_the_workflow_does_not_offer_is_a_broken_case(
     assert "tools: clock not offered by the workflow (it offers: datetime, done, " in ran.out
 
 
+def test_a_reason_the_workflow_cannot_end_with_is_a_broken_case_at_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tests = _write(
+        tmp_path,
+        "t.test.yaml",
+        ISSUE_EXAMPLE.replace("{reason: tool_failures}", "{reason: toolfail}"),
+    )
+
+    ran = cli(capsys, "test", str(tests), "--json").json()
+
+    assert [c["outcome"] for c in ran["cases"]] == ["passed", "broken"]
+    assert ran["cases"][1]["location"] == f"{tests}:18:22"
+    assert ran["cases"][1]["difference"] == (
+        "expect: reason: 'toolfail' is no reason this workflow can end with "
+        "(its own: done, fatal_tool_error, final_answer, malformed_output, max_iterations, "
+        "no_progress, tool_failures; or one of the kernel's)"
+    )
+    assert cli(capsys, "test", str(tests)).code == 2
+
+
 def test_junit_xml_and_coverage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tests = _write(tmp_path, "default.test.yaml", ISSUE_EXAMPLE)
     report = tmp_path / "out" / "junit.xml"
