@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,17 +19,6 @@ PAGE = """Intro.
 
 After.
 """
-
-
-@pytest.fixture(scope="module")
-def hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_hooks_charts", ROOT / "docs" / "hooks.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["docs_hooks_charts"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def bars(svg: str) -> list[tuple[float, str]]:

@@ -8,26 +8,11 @@ something that no longer exists.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["docs_hooks"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_workflow_key_has_an_example_from_a_tested_page(hooks: ModuleType) -> None:
