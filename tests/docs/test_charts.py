@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from types import ModuleType
-
-ROOT = Path(__file__).resolve().parents[2]
 
 PAGE = """Intro.
 
