@@ -28,6 +28,7 @@ from fsm_kernel.scheduler._queue_sql import (
     sqlite_ts,
 )
 from fsm_kernel.scheduler.queue import CANCELLED_EXPIRED, Dispatch, DispatchListener, log_reaped
+from fsm_kernel.store.sqlite import enable_wal
 
 __all__ = ["SqliteDispatchQueue"]
 
@@ -96,7 +97,7 @@ class SqliteDispatchQueue(SqlDispatchQueue):
                 self.path, isolation_level=None, check_same_thread=False, timeout=30.0
             )
             conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
+            enable_wal(conn)
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA busy_timeout=30000")
             self._conn = conn

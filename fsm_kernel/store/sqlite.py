@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -291,13 +292,33 @@ def _connect_read_only(path: Path, busy_timeout: float) -> sqlite3.Connection:
     return conn
 
 
+_WAL_TRIES = 200
+
+
+def enable_wal(conn: sqlite3.Connection) -> str:
+    """Switch the file to WAL, waiting out the others doing the same. Changing the journal mode
+    takes the file's exclusive lock, and SQLite answers "database is locked" at once, without
+    its busy handler, to a connection whose lock upgrade would deadlock with another's: several
+    processes opening a new (or pre-WAL) store together, say. Each retry waits a little longer,
+    ~4 s in all; an already-WAL file returns at the first try. Returns the mode now in force
+    ("wal", or what a filesystem without WAL support left)."""
+    for attempt in range(_WAL_TRIES):
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == _WAL_TRIES - 1:
+                raise
+            time.sleep(0.001 * min(attempt + 1, 40))
+    raise AssertionError("unreachable")  # the last attempt returned or raised
+
+
 def _configure(conn: sqlite3.Connection, path: Path, busy_timeout: float) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
     # A new database gets small pages: a commit writes every page it changes to the WAL, and
     # most appends are a few hundred bytes (a step's bookkeeping), so 4 KiB pages would write
     # ~10x what they store. Ignored for an existing database (its page size stays).
     conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
-    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    mode = enable_wal(conn)
     if mode != "wal" and str(path) != ":memory:":
         logger.warning("%s: journal_mode is %s, not wal (unsupported filesystem?)", path, mode)
     # FULL: a commit is fsynced to the WAL before COMMIT returns, so a crash or power loss
