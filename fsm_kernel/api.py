@@ -243,8 +243,6 @@ class Agent:
         self.store = self._open_store(store)
         self._on_event = self._watchers(on_event, otel, [*self.spec.notify, *notify])
         self._mcp = mcp_servers or McpServers(self.spec.mcp_servers)
-        """The workflow's MCP servers: started on the first run, stopped with the agent (unless
-        the caller shares its own across agents: the scheduler, once per process)."""
         if mcp_servers is None:
             self._owned.closers.append(self._mcp.aclose)
         build_tools(self.spec, self.options)  # a workflow's tool problems show here, at once
@@ -258,6 +256,12 @@ class Agent:
         if self._default_kernel is None:
             self._default_kernel = self._kernel(self.options)
         return self._default_kernel
+
+    @property
+    def mcp_servers(self) -> McpServers:
+        """The workflow's MCP servers: started on the first run, stopped with the agent (unless
+        the caller passed its own, shared across agents: the scheduler, once per process)."""
+        return self._mcp
 
     # -- life cycle -------------------------------------------------------------------------
 

@@ -249,7 +249,7 @@ class Kernel:
         """
         run_id = run_id or new_id()
         limits = limits or self.limits
-        started = self._started_data(prompt, limits)
+        started = self.started_data(prompt, limits)
         if parent_run_id is not None:
             started["parent_run_id"] = parent_run_id
         if continues is not None:
@@ -581,7 +581,10 @@ class Kernel:
             watchers=watchers,
         )
 
-    def _started_data(self, prompt: str, limits: Limits) -> dict[str, Any]:
+    def started_data(self, prompt: str, limits: Limits) -> dict[str, Any]:
+        """What `run.started` records of a new run of `prompt` under `limits`: the workflow (its
+        text, which resume and replay follow), the goal, the settings, limits and system prompt.
+        For engines that start runs themselves (fsm_kernel.integrations.dbos)."""
         settings = dict(self.settings)
         if self.approval_required:  # a replay asks for approval where the run did
             settings.setdefault("approval", sorted(self.approval_required))

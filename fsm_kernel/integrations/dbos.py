@@ -366,7 +366,7 @@ class DBOSAgent:
         its settings (built once)."""
         if self._kernel is None:
             base = self.agent.kernel
-            await attach_mcp(base, self.agent.spec, self.agent._mcp)
+            await attach_mcp(base, self.agent.spec, self.agent.mcp_servers)
             kernel = copy.copy(base)
             kernel.model = DBOSChatModel(base.model)
             kernel.tools = DBOSToolExecutor(base.tools)
@@ -392,7 +392,7 @@ async def drive(kernel: Kernel, run_id: str, prompt: str) -> RunResult:
         events = store.read(run_id)
         if not events:
             recorder = kernel.recorder(run_id)
-            recorder.record(EventType.RUN_STARTED, kernel._started_data(prompt, kernel.limits))
+            recorder.record(EventType.RUN_STARTED, kernel.started_data(prompt, kernel.limits))
             ctx = kernel.new_context(
                 run_id, prompt, recorder, human=DBOSChannel(recorder, kernel.settings)
             )
