@@ -120,9 +120,7 @@ def cmd_dispatches(args: argparse.Namespace) -> int:
     config = load_scheduler_config(Path(args.config))
     dbos = _integration()
     if args.cancel is not None:
-        dbos.cancel_dispatch(config, args.cancel)
-        print(f"cancelled run {args.cancel}: queued, it never starts; running, it ends "
-              "'cancelled' at its next step")  # fmt: skip
+        print(dbos.cancel_dispatch(config, args.cancel))
         return EXIT_OK
     rows = dbos.list_dispatches(config, limit=args.limit)
     if args.json:

@@ -34,6 +34,12 @@ buttons, which run `fsm-kernel resume`) on a run whose `run.started` says it run
 (`settings.engine`). The run then records `run.resumed` and goes on in the process that runs
 its workflow. A timer that comes due fires there too.
 
+Cancelling (`cancel_run`, `DBOSAgent.cancel`). The log decides how a run ended and the DBOS
+status is made to agree: a run that ended is not cancelled (refused); a waiting one is woken
+and ends `cancelled` at once; a running one ends `cancelled` at its next step; and one whose
+workflow is cancelled after its last event (a race) is resumed by DBOS, so its workflow
+catches up with the log and records the run's own ending.
+
 Child runs are steps: a child run ended is never run again; one cut off is resumed from its own
 log by fsm-kernel (its steps inside are not DBOS steps). A child that waits for a person makes
 its parent's workflow end waiting (answer it with `fsm-kernel resume`, outside DBOS).
@@ -42,14 +48,15 @@ its parent's workflow end waiting (answer it with `fsm-kernel resume`, outside D
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from dbos import DBOS, DBOSClient, SetWorkflowID, WorkflowHandleAsync
@@ -80,11 +87,14 @@ from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
 __all__ = [
     "ANSWER_TOPIC",
+    "CANCEL_WAKE",
+    "Canceller",
     "DBOSAgent",
     "DBOSChannel",
     "DBOSChatModel",
     "DBOSChildRunner",
     "DBOSToolExecutor",
+    "cancel_run",
     "dbos_engine",
     "send_to_run",
 ]
@@ -93,6 +103,10 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TOPIC = "fsm-kernel.answer"
 """The DBOS message topic a waiting run receives its answers on (`HumanAnswer.to_dict()`)."""
+
+CANCEL_WAKE = {"fsm-kernel": "cancelled"}
+"""The message `cancel_run` sends a waiting run after cancelling its workflow: it wakes from
+`recv` and ends `cancelled` at once, in its log as in DBOS."""
 
 _DBOS_ATTEMPTS = 100
 """DBOS's own default `max_recovery_attempts`."""
@@ -138,17 +152,26 @@ async def _step(name: str, work: Any, *args: Any, **kwargs: Any) -> Any:
         except FsmKernelError as exc:
             return _Failure.of(exc)
 
-    try:
+    async with _cancellation():
         outcome = await DBOS.run_step_async({"name": name}, checkpointed)
-    except DBOSWorkflowCancelledError:  # DBOS.cancel_workflow: the run ends `cancelled`
+    if isinstance(outcome, _Failure):
+        raise outcome.error()
+    return outcome
+
+
+@contextlib.asynccontextmanager
+async def _cancellation() -> AsyncIterator[None]:
+    """A DBOS operation of the workflow (a step, a `recv`): its workflow cancelled
+    (DBOS.cancel_workflow, `cancel_run`) becomes asyncio.CancelledError, which the kernel
+    records as the run's `cancelled` ending."""
+    try:
+        yield
+    except DBOSWorkflowCancelledError:
         raise asyncio.CancelledError from None
     except DBOSWorkflowConflictIDError:  # cancelled, or another execution owns it now
         if await _cancelled():
             raise asyncio.CancelledError from None
         raise  # the owner records the run, not this execution
-    if isinstance(outcome, _Failure):
-        raise outcome.error()
-    return outcome
 
 
 async def _cancelled() -> bool:
@@ -234,7 +257,12 @@ class DBOSChannel:
         another kind (sent by mistake) is logged and dropped: the run goes on waiting."""
         while True:
             timeout = _WAIT_SLICE if question.due is None else _seconds_until(question.due)
-            message = await DBOS.recv_async(ANSWER_TOPIC, timeout_seconds=timeout)
+            async with _cancellation():
+                message = await DBOS.recv_async(ANSWER_TOPIC, timeout_seconds=timeout)
+            if message == CANCEL_WAKE:  # cancel_run: the run ends `cancelled` now
+                if await _cancelled():
+                    raise asyncio.CancelledError
+                continue  # a wake whose cancel did not land (the run had been resumed)
             if message is None:
                 if question.due is not None:  # it waited until the timer was due
                     return None
@@ -345,6 +373,15 @@ class DBOSAgent:
         assert checked is not None  # an answer was given, so one is returned
         await DBOS.send_async(run.run_id, checked.to_dict(), ANSWER_TOPIC)
 
+    async def cancel(self, run_id: str) -> str:
+        """Cancel the run so that its log and DBOS agree on how it ended (see `cancel_run`);
+        returns what happens, in one line.
+
+        Raises:
+            ResumeError: the run already ended: nothing is cancelled.
+        """
+        return await asyncio.to_thread(cancel_run, self.store, run_id, DBOS)
+
     async def signal(
         self, run_id: str, name: str, data: Any = None, *, by: str | None = None
     ) -> None:
@@ -359,6 +396,8 @@ class DBOSAgent:
         result = await drive(kernel, run_id, prompt)
         if self.on_result is not None:
             self.on_result(result)
+        if result.termination_reason != "cancelled" and await _cancelled():
+            _record_its_end(run_id, result)
         return result
 
     async def _durable_kernel(self) -> Kernel:
@@ -376,6 +415,27 @@ class DBOSAgent:
             kernel.settings = {**base.settings, "engine": dict(self.engine)}
             self._kernel = kernel
         return self._kernel
+
+
+def _record_its_end(run_id: str, result: RunResult) -> None:
+    """The run's workflow was cancelled after the run's last step (its log says it ended
+    `reason`), so DBOS would keep CANCELLED: resume the workflow, outside this execution, so
+    that it runs again from its start, every step served from DBOS and every event matched by
+    the log, and ends with the run's own outcome. The log decides how a run ended."""
+    logger.warning("run %s: cancelled after it ended (%s); resuming its workflow so DBOS "
+                   "records that end", run_id, result.termination_reason)  # fmt: skip
+
+    async def resume() -> None:
+        await DBOS.resume_workflow_async(run_id)
+
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(resume(), context=contextvars.Context())
+    _HEALING.add(task)
+    task.add_done_callback(_HEALING.discard)
+
+
+_HEALING: set[asyncio.Task[None]] = set()
+"""Resumptions under way (a task needs a reference until it is done)."""
 
 
 async def drive(kernel: Kernel, run_id: str, prompt: str) -> RunResult:
@@ -475,6 +535,42 @@ def dbos_engine(run: RecordedRun) -> dict[str, Any] | None:
     if isinstance(engine, Mapping) and engine.get("name") == "dbos":
         return dict(engine)
     return None
+
+
+class Canceller(Protocol):
+    """What cancels a workflow and sends it a message: the `DBOS` class in a launched process,
+    a `DBOSClient` from any other."""
+
+    def cancel_workflow(self, workflow_id: str) -> Any: ...
+
+    def send(self, destination_id: str, message: Any, topic: str | None = None) -> Any: ...
+
+
+def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
+    """Cancel a run under DBOS so that its log and DBOS agree on how it ended, and say what
+    happens (one line):
+
+    - never started (queued: no log yet): cancelled, it never starts;
+    - waiting (for a person, an event or a timer): cancelled and woken, it ends `cancelled`
+      now, in its log as in DBOS;
+    - running: it ends `cancelled` at its next step; one whose last step comes first ends as
+      its log says, and its workflow then makes DBOS record that end (see `_record_its_end`).
+
+    Raises:
+        ResumeError: the run already ended in its log: nothing is cancelled.
+    """
+    run = RecordedRun.load(store, run_id) if store.read(run_id) else None
+    if run is not None and run.terminated is not None:
+        reason = run.terminated.data.get("reason")
+        raise ResumeError(f"run {run_id} already ended ({reason}): nothing to cancel",
+                          run_id=run_id)  # fmt: skip
+    dbos.cancel_workflow(run_id)
+    if run is None:
+        return f"cancelled run {run_id}: queued, it never starts"
+    if run.waiting_for is not None:
+        dbos.send(run_id, CANCEL_WAKE, ANSWER_TOPIC)
+        return f"cancelled run {run_id}: it was waiting; it ends 'cancelled' now"
+    return f"cancelled run {run_id}: running, it ends 'cancelled' at its next step"
 
 
 def send_to_run(run: RecordedRun, answer: HumanAnswer | None) -> str:

@@ -36,7 +36,7 @@ from dbos._error import DBOSQueueDeduplicatedError
 
 from fsm_kernel.api import Agent
 from fsm_kernel.bootstrap import RunOptions, load_spec, resolve_workflow
-from fsm_kernel.integrations.dbos import DBOSAgent
+from fsm_kernel.integrations.dbos import DBOSAgent, cancel_run
 from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import EventType
 from fsm_kernel.scheduler import AgentSpec, SchedulerConfig, StateFile, state_tools
@@ -269,13 +269,20 @@ def list_dispatches(config: SchedulerConfig, *, limit: int) -> list[dict[str, An
     ]
 
 
-def cancel_dispatch(config: SchedulerConfig, run_id: str) -> None:
-    """Cancel the run's workflow: a queued one never starts, a running one ends `cancelled` at
-    its next step."""
+def cancel_dispatch(config: SchedulerConfig, run_id: str) -> str:
+    """Cancel the run's workflow so that its log and DBOS agree (`cancel_run`): a queued one
+    never starts, a waiting one ends `cancelled` now, a running one at its next step; returns
+    that, in one line.
+
+    Raises:
+        ResumeError: the run already ended in its log: nothing is cancelled.
+    """
     client = DBOSClient(system_database_url=system_database(config))
+    store = open_store(config.store)
     try:
-        client.cancel_workflow(run_id)
+        return cancel_run(store, run_id, client)
     finally:
+        store.close()
         client.destroy()
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("dbos")
 from dbos import DBOS
 
 from fsm_kernel import Agent
-from fsm_kernel.errors import AgentHTTPError, AnswerError
+from fsm_kernel.errors import AgentHTTPError, AnswerError, ResumeError
 from fsm_kernel.integrations.dbos import (
     DBOSAgent,
     _Failure,
@@ -314,7 +314,12 @@ def launched(tmp_path: Path) -> Iterator[Callable[..., DBOSAgent]]:
     destroyed after the test."""
     built: list[DBOSAgent] = []
 
-    def build(after: str, replies: list[str], suspended: asyncio.Event | None = None) -> DBOSAgent:
+    def build(
+        after: str,
+        replies: list[str],
+        suspended: asyncio.Event | None = None,
+        on_result: Callable[[object], None] | None = None,
+    ) -> DBOSAgent:
         DBOS(config={"name": "fsm-kernel-tests", "log_level": "WARNING",
                      "system_database_url": f"sqlite:///{tmp_path / 'dbos.sqlite'}",
                      "notification_listener_polling_interval_sec": 0.05})  # fmt: skip
@@ -327,7 +332,7 @@ def launched(tmp_path: Path) -> Iterator[Callable[..., DBOSAgent]]:
         path.write_text(WAITING.replace("AFTER", after))
         model = ScriptedChatModel(replies)
         agent = Agent(path, store=tmp_path / "runs.db", chat_model=model, on_event=watch)
-        built.append(DBOSAgent(agent))
+        built.append(DBOSAgent(agent, on_result=on_result))
         DBOS.launch()
         return built[0]
 
@@ -368,6 +373,93 @@ def test_a_timer_fires_under_dbos(launched) -> None:
     fired = [e.data["edge"] for e in events if e.type == EventType.TIMER_FIRED]
     assert fired == [2]
     assert _types(events).count("run.suspended") == 1
+
+
+# --- cancelling: the log and DBOS agree, whenever the cancel comes -----------------------------
+
+
+async def _dbos_status(run_id: str, until: str | None = None) -> str:
+    """The run's workflow status in DBOS (waiting up to 30 s for it to be `until`)."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = await DBOS.get_workflow_status_async(run_id)
+        assert status is not None
+        if until is None or status.status == until or time.monotonic() > deadline:
+            return str(status.status)
+        await asyncio.sleep(0.05)
+
+
+def _endings(events: list[Event]) -> list[str]:
+    return [e.data["reason"] for e in events if e.type == EventType.RUN_TERMINATED]
+
+
+async def _ended(agent: DBOSAgent, run_id: str) -> list[Event]:
+    """The run's log once it ended (waiting up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        events = agent.store.read(run_id)
+        if _endings(events) or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(0.05)
+
+
+def test_a_waiting_run_cancelled_ends_cancelled_at_once_in_both(launched) -> None:
+    async def go() -> tuple[str, str, list[Event]]:
+        suspended = asyncio.Event()
+        agent = launched("30m", ["a plan"], suspended)
+        run_id = await agent.start("deploy")
+        await asyncio.wait_for(suspended.wait(), 30)
+        said = await agent.cancel(run_id)
+        events = await _ended(agent, run_id)
+        return said, await _dbos_status(run_id), events
+
+    said, status, events = asyncio.run(go())
+    assert said.endswith("it was waiting; it ends 'cancelled' now")
+    assert _endings(events) == ["cancelled"]  # now, not when its 30-minute timer fires
+    assert status == "CANCELLED"
+
+
+def test_cancelling_a_run_that_ended_is_refused_and_changes_nothing(launched) -> None:
+    async def go() -> tuple[str, str]:
+        agent = launched("1s", ["a plan"])
+        result = await agent.run("deploy")
+        with pytest.raises(ResumeError, match=r"already ended \(timed_out\): nothing to cancel"):
+            await agent.cancel(result.run_id)
+        return str(result.termination_reason), await _dbos_status(result.run_id)
+
+    assert asyncio.run(go()) == ("timed_out", "SUCCESS")
+
+
+def test_a_cancel_after_the_last_step_leaves_dbos_with_the_logs_ending(
+    launched, tmp_path: Path
+) -> None:
+    """The cancel lands after the run's last event and before its workflow returns (injected
+    in on_result, which runs there): the workflow is resumed and DBOS records the run's end."""
+    from dbos import DBOSClient
+
+    cancelled: list[str] = []
+
+    def cancel_once(result: object) -> None:
+        if not cancelled:  # the resumed execution calls it again
+            run_id = str(result.run_id)
+            client = DBOSClient(system_database_url=f"sqlite:///{tmp_path / 'dbos.sqlite'}")
+            try:
+                client.cancel_workflow(run_id)
+            finally:
+                client.destroy()
+            cancelled.append(run_id)
+
+    async def go() -> tuple[str, list[Event], object]:
+        agent = launched("1s", ["a plan"], on_result=cancel_once)
+        run_id = await agent.start("deploy")
+        status = await _dbos_status(run_id, until="SUCCESS")
+        return status, agent.store.read(run_id), await agent.result(run_id)
+
+    status, events, result = asyncio.run(go())
+    assert len(cancelled) == 1
+    assert status == "SUCCESS"
+    assert _endings(events) == ["timed_out"]  # the log's one ending, never rewritten
+    assert result.termination_reason == "timed_out"
 
 
 # --- units ---------------------------------------------------------------------------------------

@@ -149,6 +149,14 @@ def test_a_cycle_with_two_workers_never_exceeds_the_cap(
     assert sorted(r["agent_id"] for r in rows) == [f"a{i}" for i in range(AGENTS)]
     assert {r["status"] for r in rows} == {"SUCCESS"}
 
+    ended = rows[0]["run_id"]  # cancelling a run that ended: refused, both records unchanged
+    refused = subprocess.run(
+        _cmd("dispatches", str(config), "--engine", "dbos", "--cancel", ended),
+        cwd=tmp_path, env=_env("cli"), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr == f"error: run {ended} already ended (final_answer): nothing to cancel\n"
+
 
 def test_an_agent_still_running_is_skipped_by_the_next_tick(
     config: Path, server: FakeOpenAIServer, tmp_path: Path
