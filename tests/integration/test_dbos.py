@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,10 +30,11 @@ from fsm_kernel.integrations.dbos import (
     _Failure,
     _without_password,
 )
+from fsm_kernel.kernel import RunResult
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.replay import replay_run
 from fsm_kernel.store import open_store
-from fsm_kernel.testing import ScriptedChatModel
+from fsm_kernel.testing import ScriptedChatModel, call
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow
 
@@ -460,6 +462,55 @@ def test_a_cancel_after_the_last_step_leaves_dbos_with_the_logs_ending(
     assert status == "SUCCESS"
     assert _endings(events) == ["timed_out"]  # the log's one ending, never rewritten
     assert result.termination_reason == "timed_out"
+
+
+# --- MCP tools under DBOS -------------------------------------------------------------------------
+
+
+def test_an_mcp_servers_tool_call_is_a_dbos_step(tmp_path: Path) -> None:
+    """A tool of an MCP server (a real stdio server) is called as the DBOS step
+    `fsm-kernel.tool:NAME`, its result checkpointed: a recovered run is served it, never
+    calling the server again (the step mechanism the SIGKILL test proves for Python tools)."""
+    pytest.importorskip("mcp")
+    server = ROOT / "tests" / "data" / "mcp_server.py"
+    path = tmp_path / "mcp.yaml"
+    path.write_text(
+        "name: mcp_dbos\n"
+        f"mcp_servers: {{calc: {{command: {json.dumps(sys.executable)}, "
+        f"args: [{json.dumps(str(server))}]}}}}\n"
+        "tools: [mcp:calc/add]\n"
+        "initial: think\n"
+        "states:\n"
+        "  think: {action: agent.think}\n"
+        "  act: {action: tools.execute}\n"
+        "  done: {final: true}\n"
+        "transitions:\n"
+        "  - {source: think, target: act, guard: has_tool_calls}\n"
+        "  - {source: think, target: done, reason: final_answer}\n"
+        "  - {source: act, target: think}\n"
+    )
+    DBOS(config={"name": "fsm-kernel-tests", "log_level": "WARNING",
+                 "system_database_url": f"sqlite:///{tmp_path / 'dbos.sqlite'}"})  # fmt: skip
+    model = ScriptedChatModel([call("add", {"a": 2, "b": 40}), "It is 42."])
+    agent = DBOSAgent(Agent(path, store=tmp_path / "runs.db", chat_model=model))
+    DBOS.launch()
+    try:
+
+        async def go() -> tuple[RunResult, list[dict[str, Any]]]:
+            result = await agent.run("2 + 40?")
+            steps = await DBOS.list_workflow_steps_async(result.run_id)
+            await agent.agent.aclose()
+            return result, [dict(s) for s in steps]
+
+        result, steps = asyncio.run(go())
+    finally:
+        DBOS.destroy(destroy_registry=True)
+
+    assert result.response == "It is 42."
+    tool_steps = [s for s in steps if s["function_name"] == "fsm-kernel.tool:add"]
+    assert len(tool_steps) == 1
+    assert tool_steps[0]["output"].content == "42"
+    assert [s["function_name"] for s in steps].count("fsm-kernel.model") == 2
 
 
 # --- units ---------------------------------------------------------------------------------------
