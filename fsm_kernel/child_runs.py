@@ -80,6 +80,9 @@ class LiveChildren:
         self.closers = closers if closers is not None else []
         self.parent_base_url = parent_base_url
         """Where the parent's model is: a child naming another origin gets no API key."""
+        self.settings: dict[str, Any] = {}
+        """Settings every child's kernel adds to its own (recorded in its `run.started`): an
+        engine running the parent (fsm_kernel.integrations.dbos) marks its children so."""
         self._kernels: dict[Path, Kernel] = {}
         self._mcp: dict[Path, McpServers] = {}
         self._building = asyncio.Lock()
@@ -186,6 +189,8 @@ class LiveChildren:
         )
         kernel.on_event = self.on_event
         kernel.children = self
+        if self.settings:
+            kernel.settings = {**kernel.settings, **self.settings}
         if model is not shared and hasattr(model, "aclose"):
             self.closers.append(model.aclose)
         return kernel

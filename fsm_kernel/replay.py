@@ -287,6 +287,14 @@ class RecordedRun:
         value = self.started.data.get("parent_run_id")
         return str(value) if value else None
 
+    def root_run_id(self, store: EventStore) -> str:
+        """The run at the top of this run's chain of parents (itself when it has none): the
+        one an engine such as DBOS drives, a child run being a step of it."""
+        run = self
+        while run.parent_run_id:
+            run = RecordedRun.load(store, run.parent_run_id)
+        return run.run_id
+
     @property
     def continues(self) -> str | None:
         """The run whose conversation this one continues (`run --continue`), if any."""

@@ -623,6 +623,7 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
 
     with _open(args) as store:
         run = RecordedRun.load(store, args.run_id)
+        root = run.root_run_id(store)
     if args.migrate:  # to the current file (or --workflow), checked by agent.resume
         args.workflow = _migration_target(run, args.workflow)
     args.workflow = _recorded_workflow(run, args.workflow)
@@ -632,7 +633,7 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
         _check_resumable(run, answer)  # the same refusal with an answer or without (exit 2)
         check_answer(run, answer)  # a one-line usage error before anything is built
     if _runs_under_dbos(run):  # its DBOS workflow drives it: the answer goes there
-        return _send_to_dbos(run, answer, as_json=args.json)
+        return _send_to_dbos(run, answer, as_json=args.json, root=root)
     location = args.store or default_store_location()
 
     async def go(agent: Agent) -> RunResult:
@@ -653,7 +654,7 @@ def _runs_under_dbos(run: RecordedRun) -> bool:
     return isinstance(engine, dict) and engine.get("name") == "dbos"
 
 
-def _send_to_dbos(run: RecordedRun, answer: HumanAnswer | None, *, as_json: bool) -> int:
+def _send_to_dbos(run: RecordedRun, answer: HumanAnswer | None, *, as_json: bool, root: str) -> int:
     """Send the answer to the run's DBOS workflow, which goes on with it in its process."""
     from fsm_kernel.errors import ConfigError
 
@@ -663,7 +664,7 @@ def _send_to_dbos(run: RecordedRun, answer: HumanAnswer | None, *, as_json: bool
         raise ConfigError(
             f"run {run.run_id} runs under DBOS: answering it needs pip install 'fsm-kernel[dbos]'"
         ) from None
-    workflow = send_to_run(run, answer)
+    workflow = send_to_run(run, answer, root=root)
     if as_json:
         print(json.dumps({"run_id": run.run_id, "status": "sent", "engine": "dbos"}))
     else:

@@ -42,7 +42,9 @@ catches up with the log and records the run's own ending.
 
 Child runs are steps: a child run ended is never run again; one cut off is resumed from its own
 log by fsm-kernel (its steps inside are not DBOS steps). A child that waits for a person makes
-its parent's workflow end waiting (answer it with `fsm-kernel resume`, outside DBOS).
+its parent's workflow wait in `recv` on the child's own topic (`child_topic`); its answer is
+sent to the root run's workflow (`send_to_run`, `DBOSAgent.resume`), and the child goes on in
+a step of its own.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from dbos._error import DBOSWorkflowCancelledError, DBOSWorkflowConflictIDError
 from fsm_kernel import errors
 from fsm_kernel.api import Agent
 from fsm_kernel.bootstrap import attach_mcp
+from fsm_kernel.child_runs import LiveChildren
 from fsm_kernel.errors import ConfigError, FsmKernelError, ResumeError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
@@ -95,6 +98,7 @@ __all__ = [
     "DBOSChildRunner",
     "DBOSToolExecutor",
     "cancel_run",
+    "child_topic",
     "dbos_engine",
     "send_to_run",
 ]
@@ -216,14 +220,36 @@ class DBOSToolExecutor:
 
 
 class DBOSChildRunner:
-    """A ChildRunner whose every child run is a DBOS step (`fsm-kernel.child`)."""
+    """A ChildRunner whose every child run is a DBOS step (`fsm-kernel.child`). A child that
+    waits for a person (or an event) makes its parent's workflow wait for the answer with
+    `recv` (topic `fsm-kernel.answer:CHILD_RUN_ID`, sent by `send_to_run`), then the child goes
+    on in a step of its own, the answer given: durable as the parent's own waits are."""
 
     def __init__(self, children: ChildRunner) -> None:
         self.children = children
 
     async def run(self, request: ChildRequest) -> ChildResult:
         result: ChildResult = await _step("fsm-kernel.child", self.children.run, request)
+        while result.waiting_for is not None:
+            asked = Question.from_dict(result.waiting_for)
+            # the child's own timer is not watched here: it fires once the child is answered
+            answer = await _receive(
+                child_topic(request.run_id), dataclasses.replace(asked, due=None)
+            )
+            assert answer is not None  # no timer: only an answer ends the wait
+            request = dataclasses.replace(request, take_answer=_once(answer))
+            result = await _step("fsm-kernel.child", self.children.run, request)
         return result
+
+
+def child_topic(run_id: str) -> str:
+    """The topic a waiting child run's answers go to, in its root run's workflow."""
+    return f"{ANSWER_TOPIC}:{run_id}"
+
+
+def _once(answer: HumanAnswer) -> Callable[[], HumanAnswer | None]:
+    given = [answer]
+    return lambda: given.pop() if given else None
 
 
 # --- waiting ---------------------------------------------------------------------------------
@@ -244,34 +270,13 @@ class DBOSChannel:
         if live:
             self.recorder.record(EventType.RUN_SUSPENDED, {"waiting_for": question.to_dict()})
             await self.recorder.flush()
-        answer = await self._receive(question)
+        answer = await _receive(ANSWER_TOPIC, question)
         if live:
             self.recorder.record(EventType.RUN_RESUMED, self._resumed())
             await self.recorder.flush()
         if answer is None:  # the timer is due: the waiting state fires it
             raise Suspended(question)
         return answer
-
-    async def _receive(self, question: Question) -> HumanAnswer | None:
-        """The first answer that fits the question; None once its timer is due. An answer of
-        another kind (sent by mistake) is logged and dropped: the run goes on waiting."""
-        while True:
-            timeout = _WAIT_SLICE if question.due is None else _seconds_until(question.due)
-            async with _cancellation():
-                message = await DBOS.recv_async(ANSWER_TOPIC, timeout_seconds=timeout)
-            if message == CANCEL_WAKE:  # cancel_run: the run ends `cancelled` now
-                if await _cancelled():
-                    raise asyncio.CancelledError
-                continue  # a wake whose cancel did not land (the run had been resumed)
-            if message is None:
-                if question.due is not None:  # it waited until the timer was due
-                    return None
-                continue
-            answer = HumanAnswer.from_dict(dict(message))
-            if answer.kind == question.kind:
-                return answer
-            logger.warning("dropped an answer of kind %s: the run waits for %s", answer.kind,
-                           question.kind)  # fmt: skip
 
     def _resumed(self) -> dict[str, Any]:
         return {
@@ -280,6 +285,28 @@ class DBOSChannel:
             "reopened": "waiting",
             "rerun_tool_calls": [],
         }
+
+
+async def _receive(topic: str, question: Question) -> HumanAnswer | None:
+    """The first answer on `topic` that fits the question; None once its timer is due. An
+    answer of another kind (sent by mistake) is logged and dropped: the run goes on waiting."""
+    while True:
+        timeout = _WAIT_SLICE if question.due is None else _seconds_until(question.due)
+        async with _cancellation():
+            message = await DBOS.recv_async(topic, timeout_seconds=timeout)
+        if message == CANCEL_WAKE:  # cancel_run: the run ends `cancelled` now
+            if await _cancelled():
+                raise asyncio.CancelledError
+            continue  # a wake whose cancel did not land (the run had been resumed)
+        if message is None:
+            if question.due is not None:  # it waited until the timer was due
+                return None
+            continue
+        answer = HumanAnswer.from_dict(dict(message))
+        if answer.kind == question.kind:
+            return answer
+        logger.warning("dropped an answer of kind %s: the run waits for %s", answer.kind,
+                       question.kind)  # fmt: skip
 
 
 def _seconds_until(due: str) -> float:
@@ -371,7 +398,8 @@ class DBOSAgent:
         run = RecordedRun.load(self.store, run_id)
         checked = check_answer(run, answer)
         assert checked is not None  # an answer was given, so one is returned
-        await DBOS.send_async(run.run_id, checked.to_dict(), ANSWER_TOPIC)
+        destination, topic = _address(run, run.root_run_id(self.store))
+        await DBOS.send_async(destination, checked.to_dict(), topic)
 
     async def cancel(self, run_id: str) -> str:
         """Cancel the run so that its log and DBOS agree on how it ended (see `cancel_run`);
@@ -411,6 +439,8 @@ class DBOSAgent:
             kernel.tools = DBOSToolExecutor(base.tools)
             kernel.state_models = {s: DBOSChatModel(m) for s, m in base.state_models.items()}
             if base.children is not None:
+                if isinstance(base.children, LiveChildren):  # children record the engine
+                    base.children.settings = {"engine": {**self.engine, "child": True}}
                 kernel.children = DBOSChildRunner(base.children)
             kernel.settings = {**base.settings, "engine": dict(self.engine)}
             self._kernel = kernel
@@ -573,12 +603,21 @@ def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
     return f"cancelled run {run_id}: running, it ends 'cancelled' at its next step"
 
 
-def send_to_run(run: RecordedRun, answer: HumanAnswer | None) -> str:
+def _address(run: RecordedRun, root: str | None) -> tuple[str, str]:
+    """Where an answer to `run` goes: (workflow id, topic). A child run's answers go to its
+    root's workflow, on the child's own topic."""
+    if root is None or root == run.run_id:
+        return run.run_id, ANSWER_TOPIC
+    return root, child_topic(run.run_id)
+
+
+def send_to_run(run: RecordedRun, answer: HumanAnswer | None, *, root: str | None = None) -> str:
     """Send `answer` (checked against the log: `check_answer`) to the DBOS workflow of `run`
     from any process, without launching DBOS: what `fsm-kernel resume`/`signal` do for a run
     under DBOS. The system database is FSM_KERNEL_DBOS_URL, else DBOS_SYSTEM_DATABASE_URL,
     else the one its `run.started` recorded (a password comes from the environment then, as
-    libpq reads PGPASSWORD). Returns the workflow's name.
+    libpq reads PGPASSWORD). A child run's answer goes to the workflow of its `root` run (see
+    `RecordedRun.root_run_id`), which waits for it. Returns the workflow's name.
 
     Raises:
         ResumeError: the run is not waiting for an answer (DBOS recovers a killed run, and
@@ -605,9 +644,10 @@ def send_to_run(run: RecordedRun, answer: HumanAnswer | None) -> str:
             run_id=run.run_id,
         )
     bound = check_answer(run, answer) or answer  # an approval names the call it answers
+    destination, topic = _address(run, root)
     client = DBOSClient(system_database_url=str(url))
     try:
-        client.send(run.run_id, bound.to_dict(), ANSWER_TOPIC)
+        client.send(destination, bound.to_dict(), topic)
     finally:
         client.destroy()
     return workflow

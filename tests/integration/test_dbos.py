@@ -36,6 +36,7 @@ from fsm_kernel.replay import replay_run
 from fsm_kernel.store import open_store
 from fsm_kernel.testing import ScriptedChatModel, call
 from fsm_kernel.workflow.compiler import compile_workflow
+from fsm_kernel.workflow.human import HumanAnswer
 from fsm_kernel.workflow.loader import load_workflow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -462,6 +463,99 @@ def test_a_cancel_after_the_last_step_leaves_dbos_with_the_logs_ending(
     assert status == "SUCCESS"
     assert _endings(events) == ["timed_out"]  # the log's one ending, never rewritten
     assert result.termination_reason == "timed_out"
+
+
+# --- a child run that waits for a person ---------------------------------------------------------
+
+PARENT = """\
+name: parent
+initial: delegate
+states:
+  delegate: {action: workflow.call, workflow: child.yaml}
+  done: {final: true}
+transitions:
+  - {source: delegate, target: done, reason: final_answer}
+"""
+
+CHILD = """\
+name: child
+initial: ask
+states:
+  ask: {action: human.input, prompt: "Which branch?"}
+  work: {action: agent.think}
+  done: {final: true}
+transitions:
+  - {source: ask, target: work}
+  - {source: work, target: done, reason: final_answer}
+"""
+
+
+@pytest.mark.parametrize("via", ["cli", "python"])
+def test_a_child_waiting_for_a_person_is_answered_through_its_parents_workflow(
+    tmp_path: Path, via: str
+) -> None:
+    """The parent's workflow waits in `recv` for the child's answer (not ending waiting): the
+    child is answered with `fsm-kernel resume CHILD --input` or DBOSAgent.resume, both sent
+    through DBOS, and the parent goes on in its own workflow to its end."""
+    (tmp_path / "parent.yaml").write_text(PARENT)
+    (tmp_path / "child.yaml").write_text(CHILD)
+    url = f"sqlite:///{tmp_path / 'dbos.sqlite'}"
+    DBOS(config={"name": "fsm-kernel-tests", "log_level": "WARNING", "system_database_url": url,
+                 "notification_listener_polling_interval_sec": 0.05})  # fmt: skip
+    store = tmp_path / "runs.db"
+    model = ScriptedChatModel(["Took the main branch."])
+    agent = DBOSAgent(Agent(tmp_path / "parent.yaml", store=store, chat_model=model),
+                      system_database_url=url)  # fmt: skip
+    DBOS.launch()
+    try:
+
+        async def go() -> tuple[RunResult, str, str]:
+            run_id = await agent.start("ship it")
+            child = await _waiting_child(agent, run_id)
+            if via == "python":
+                await agent.resume(child, answer=HumanAnswer.input("main", by="alice"))
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "fsm_kernel", "resume", child, "--input", "main",
+                    "--by", "alice", "--store", str(store), cwd=tmp_path,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                out, err = await proc.communicate()
+                assert proc.returncode == 0, err.decode()
+                assert out.decode().startswith(f"sent to run {child}: its DBOS workflow")
+            result = await agent.result(run_id)
+            status = await _dbos_status(run_id)
+            await agent.agent.aclose()
+            return result, child, status
+
+        result, child, status = asyncio.run(go())
+    finally:
+        DBOS.destroy(destroy_registry=True)
+
+    assert result.termination_reason == "final_answer"
+    assert result.response == "Took the main branch."
+    assert status == "SUCCESS"
+    with open_store(str(store)) as events:
+        parent_log, child_log = events.read(result.run_id), events.read(child)
+    assert "run.suspended" not in _types(parent_log)  # the parent waited inside its step
+    assert _endings(child_log) == ["final_answer"]
+    answered = [e.data for e in child_log if e.type == EventType.HUMAN_ANSWERED]
+    assert [(a["text"], a["by"]) for a in answered] == [("main", "alice")]
+    assert _endings(parent_log) == ["final_answer"]
+
+
+async def _waiting_child(agent: DBOSAgent, run_id: str) -> str:
+    """The id of the run's child once the child waits for a person (up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        started = [e for e in agent.store.read(run_id) if e.type == EventType.CHILD_STARTED]
+        if started:
+            child = str(started[0].data["run_id"])
+            if "run.suspended" in _types(agent.store.read(child)):
+                return child
+        assert time.monotonic() < deadline, "the child never waited"
+        await asyncio.sleep(0.05)
 
 
 # --- MCP tools under DBOS -------------------------------------------------------------------------
