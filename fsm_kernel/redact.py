@@ -81,6 +81,7 @@ def register_secret(value: str | None) -> None:
         # Longest first, so a key that contains another registered key is replaced whole.
         _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
         _secret_pattern = re.compile("|".join(re.escape(s) for s in _secrets))
+        _forget_clean()
 
 
 def register_url_password(url: str) -> None:
@@ -108,6 +109,7 @@ def _forget_secrets() -> None:
     with _lock:
         _secrets = ()
         _secret_pattern = None
+        _forget_clean()
 
 
 def _replace(match: re.Match[str]) -> str:
@@ -220,30 +222,61 @@ def _straddled(text: str, secret: str, cut: int) -> int:
 
 def redact_data(value: Any) -> Any:
     """A copy of a JSON-like value with every string redacted; the input is not changed.
-    Values that hold no secret are returned as they are (no copy)."""
-    if type(value) in _LEAVES:
+    Values that hold no secret are returned as they are (no copy).
+
+    The run recorder calls it on every event, so the common exact types (str, dict, list and
+    the leaves) are told apart by `type(...) is` first, and a container's leaves are skipped
+    without a call each; subclasses (a FrozenDict, a str enum) take the isinstance path."""
+    kind = type(value)
+    if kind is str:
+        return _redact_str(value)
+    if kind is dict:
+        return _redact_dict(value)
+    if kind is list:
+        return _redact_items(value)
+    if kind in _LEAVES:
         return value
     if isinstance(value, str):
-        # Shorter text can hold neither a registered secret nor a credential-looking token
-        # (the shortest, `://:p@`, is 6 characters): ids, names and numbers skip the scans.
-        return redact(value) if len(value) >= _MIN_SECRET_LENGTH else encodable(value)
+        return _redact_str(value)
     if isinstance(value, dict):
-        changed: dict[Any, Any] | None = None  # copied at the first value that changes
-        for key, item in value.items():
-            redacted = redact_data(item)
-            if redacted is not item:
-                if changed is None:
-                    changed = dict(value)
-                changed[key] = redacted
-        return value if changed is None else changed
+        return _redact_dict(value)
     if isinstance(value, list | tuple):
         return _redact_items(value)
     return value
 
 
+def _redact_str(text: str) -> str:
+    # Shorter text can hold neither a registered secret nor a credential-looking token
+    # (the shortest, `://:p@`, is 6 characters): ids, names and numbers skip the scans.
+    if len(text) < _MIN_SECRET_LENGTH:
+        return text if text.isascii() else encodable(text)
+    clean = _clean
+    if text in clean.texts:
+        return text
+    redacted = redact(text)
+    if redacted is text and len(text) <= _CLEAN_MAX_LENGTH:
+        clean.remember(text)
+    return redacted
+
+
+def _redact_dict(value: dict[Any, Any]) -> dict[Any, Any]:
+    changed: dict[Any, Any] | None = None  # copied at the first value that changes
+    for key, item in value.items():
+        if type(item) in _LEAVES:
+            continue
+        redacted = redact_data(item)
+        if redacted is not item:
+            if changed is None:
+                changed = dict(value)
+            changed[key] = redacted
+    return value if changed is None else changed
+
+
 def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
     items: list[Any] | None = None  # copied at the first item that changes
     for i, item in enumerate(value):
+        if type(item) in _LEAVES:
+            continue
         redacted = redact_data(item)
         if redacted is not item:
             if items is None:
@@ -252,6 +285,39 @@ def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
     if items is None:
         return value
     return tuple(items) if isinstance(value, tuple) else items
+
+
+_CLEAN_MAX_LENGTH = 256
+"""Longer text is not remembered as clean (each is scanned every time: a model's answer, a
+tool's output), so the set stays small and a lookup costs a hash of short text at most."""
+_CLEAN_MAX_COUNT = 4096
+"""Texts remembered at most: past it the set starts over (memory stays bounded)."""
+
+
+class _CleanTexts:
+    """Short texts `redact` returned unchanged under the registry as it is now: state names,
+    guard labels, tool names, ids, which an event repeats at every step. Redaction is a pure
+    function of the text and the registry, so a text found here needs no scan; registering a
+    secret replaces the set with an empty one (see `_forget_clean`)."""
+
+    __slots__ = ("texts",)
+
+    def __init__(self) -> None:
+        self.texts: set[str] = set()
+
+    def remember(self, text: str) -> None:
+        if len(self.texts) >= _CLEAN_MAX_COUNT:
+            self.texts = set()
+        self.texts.add(text)
+
+
+_clean = _CleanTexts()
+
+
+def _forget_clean() -> None:
+    """A secret was registered or forgotten: what was clean before may not be now."""
+    global _clean
+    _clean = _CleanTexts()
 
 
 def redact_lines(lines: Iterable[str]) -> Iterable[str]:

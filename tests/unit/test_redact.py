@@ -150,6 +150,37 @@ def test_redact_data_scans_strings_as_short_as_the_shortest_secret() -> None:
     assert redact_data(short) is short
 
 
+def test_text_found_clean_is_scanned_again_once_a_secret_is_registered() -> None:
+    # redact_data remembers short text it found clean (state names, labels repeat at every
+    # step); a secret registered later must still be caught in that same text.
+    event = {"state": "think-hunter2-x", "tried": [{"check": "uses hunter2-x"}]}
+    assert redact_data(event) is event
+    assert redact_data(event) is event  # answered from what it remembered
+
+    register_secret("hunter2-x")
+
+    assert redact_data(event) == {
+        "state": "think-[REDACTED]",
+        "tried": [{"check": f"uses {REDACTED}"}],
+    }
+
+
+def test_subclasses_of_str_dict_and_list_are_walked_like_the_plain_types() -> None:
+    from fsm_kernel.session import FrozenDict
+
+    register_secret("s3cr3t-value")
+
+    class Text(str):
+        pass
+
+    frozen = FrozenDict({"args": ["s3cr3t-value", 1], "n": 2})
+    out = redact_data({"frozen": frozen, "text": Text("key s3cr3t-value")})
+
+    assert out == {"frozen": {"args": [REDACTED, 1], "n": 2}, "text": f"key {REDACTED}"}
+    assert type(out["frozen"]) is dict  # a changed copy is a plain dict
+    assert frozen["args"][0] == "s3cr3t-value"
+
+
 def test_redact_lines() -> None:
     register_secret("s3cr3t-value")
 
