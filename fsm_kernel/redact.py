@@ -34,6 +34,7 @@ from urllib.parse import unquote
 __all__ = [
     "REDACTED",
     "REPLACEMENT",
+    "Redacted",
     "StreamRedactor",
     "encodable",
     "find_lone_surrogate",
@@ -81,7 +82,7 @@ def register_secret(value: str | None) -> None:
         # Longest first, so a key that contains another registered key is replaced whole.
         _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
         _secret_pattern = re.compile("|".join(re.escape(s) for s in _secrets))
-        _forget_clean()
+        _registry_changed()
 
 
 def register_url_password(url: str) -> None:
@@ -109,7 +110,7 @@ def _forget_secrets() -> None:
     with _lock:
         _secrets = ()
         _secret_pattern = None
-        _forget_clean()
+        _registry_changed()
 
 
 def _replace(match: re.Match[str]) -> str:
@@ -298,7 +299,7 @@ class _CleanTexts:
     """Short texts `redact` returned unchanged under the registry as it is now: state names,
     guard labels, tool names, ids, which an event repeats at every step. Redaction is a pure
     function of the text and the registry, so a text found here needs no scan; registering a
-    secret replaces the set with an empty one (see `_forget_clean`)."""
+    secret replaces the set with an empty one (see `_registry_changed`)."""
 
     __slots__ = ("texts",)
 
@@ -312,12 +313,39 @@ class _CleanTexts:
 
 
 _clean = _CleanTexts()
+_generation = 0
+"""Bumped whenever the registry changes: what was redacted before may need it again."""
 
 
-def _forget_clean() -> None:
-    """A secret was registered or forgotten: what was clean before may not be now."""
-    global _clean
+def _registry_changed() -> None:
+    """A secret was registered or forgotten (called with `_lock` held): what was clean
+    before may not be now."""
+    global _clean, _generation
     _clean = _CleanTexts()
+    _generation += 1
+
+
+class Redacted:
+    """A JSON-like value that is recorded again and again unchanged (the data of a transition
+    the engine decided before), redacted once and reused until a secret is registered.
+
+    `get()` is `redact_data(value)`, computed again only when the registry changed since it
+    was last computed. The run recorder takes one in place of the data it would redact: the
+    value must not be changed once wrapped (the recorder shares it between events)."""
+
+    __slots__ = ("_generation", "_redacted", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._redacted: Any = None
+        self._generation = -1
+
+    def get(self) -> Any:
+        generation = _generation  # read first: a secret registered meanwhile redoes it
+        if self._generation != generation:
+            self._redacted = redact_data(self.value)
+            self._generation = generation
+        return self._redacted
 
 
 def redact_lines(lines: Iterable[str]) -> Iterable[str]:

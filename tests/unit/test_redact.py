@@ -181,6 +181,21 @@ def test_subclasses_of_str_dict_and_list_are_walked_like_the_plain_types() -> No
     assert frozen["args"][0] == "s3cr3t-value"
 
 
+def test_a_redacted_value_is_redacted_once_and_again_after_a_secret_is_registered() -> None:
+    from fsm_kernel.redact import Redacted
+
+    data = {"target": "vault-7781", "tried": [{"check": "ok", "value": True}]}
+    once = Redacted(data)
+
+    assert once.get() is data  # nothing to redact: the value itself
+    assert once.get() is data
+
+    register_secret("vault-7781")
+    assert once.get() == {"target": REDACTED, "tried": [{"check": "ok", "value": True}]}
+    assert once.get() is once.get()  # computed once for this registry
+    assert data["target"] == "vault-7781"
+
+
 def test_redact_lines() -> None:
     register_secret("s3cr3t-value")
 
