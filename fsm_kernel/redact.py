@@ -252,10 +252,10 @@ def _redact_str(text: str) -> str:
     if len(text) < _MIN_SECRET_LENGTH:
         return text if text.isascii() else encodable(text)
     clean = _clean
-    if text in clean.texts:
+    if clean.holds(text):
         return text
     redacted = redact(text)
-    if redacted is text and len(text) <= _CLEAN_MAX_LENGTH:
+    if redacted is text:
         clean.remember(text)
     return redacted
 
@@ -289,27 +289,43 @@ def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
 
 
 _CLEAN_MAX_LENGTH = 256
-"""Longer text is not remembered as clean (each is scanned every time: a model's answer, a
-tool's output), so the set stays small and a lookup costs a hash of short text at most."""
+"""Text up to this long is remembered by its value (a lookup hashes short text at most);
+longer text by the object only (the workflow's text, a system prompt: the same object in
+every run's `run.started`), so a long text is never hashed to be looked up."""
 _CLEAN_MAX_COUNT = 4096
-"""Texts remembered at most: past it the set starts over (memory stays bounded)."""
+"""Short texts remembered at most: past it the set starts over (memory stays bounded)."""
+_CLEAN_MAX_LONG = 64
+"""Long texts remembered at most (by object): past it they start over."""
 
 
 class _CleanTexts:
-    """Short texts `redact` returned unchanged under the registry as it is now: state names,
-    guard labels, tool names, ids, which an event repeats at every step. Redaction is a pure
-    function of the text and the registry, so a text found here needs no scan; registering a
-    secret replaces the set with an empty one (see `_registry_changed`)."""
+    """Texts `redact` returned unchanged under the registry as it is now: state names, guard
+    labels, tool names and ids, which an event repeats at every step, and the long texts every
+    run records again (the workflow's text). Redaction is a pure function of the text and the
+    registry, so a text found here needs no scan; registering a secret replaces this with an
+    empty one (see `_registry_changed`)."""
 
-    __slots__ = ("texts",)
+    __slots__ = ("long", "texts")
 
     def __init__(self) -> None:
         self.texts: set[str] = set()
+        self.long: dict[int, str] = {}
+        """id(text) → text (held, so that its id is not reused while it is here)."""
+
+    def holds(self, text: str) -> bool:
+        if len(text) <= _CLEAN_MAX_LENGTH:
+            return text in self.texts
+        return self.long.get(id(text)) is text
 
     def remember(self, text: str) -> None:
-        if len(self.texts) >= _CLEAN_MAX_COUNT:
-            self.texts = set()
-        self.texts.add(text)
+        if len(text) <= _CLEAN_MAX_LENGTH:
+            if len(self.texts) >= _CLEAN_MAX_COUNT:
+                self.texts = set()
+            self.texts.add(text)
+            return
+        if len(self.long) >= _CLEAN_MAX_LONG:
+            self.long = {}
+        self.long[id(text)] = text
 
 
 _clean = _CleanTexts()

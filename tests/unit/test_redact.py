@@ -153,7 +153,8 @@ def test_redact_data_scans_strings_as_short_as_the_shortest_secret() -> None:
 def test_text_found_clean_is_scanned_again_once_a_secret_is_registered() -> None:
     # redact_data remembers short text it found clean (state names, labels repeat at every
     # step); a secret registered later must still be caught in that same text.
-    event = {"state": "think-hunter2-x", "tried": [{"check": "uses hunter2-x"}]}
+    long = "workflow text " * 40 + "hunter2-x"  # remembered by the object, not its value
+    event = {"state": "think-hunter2-x", "tried": [{"check": "uses hunter2-x"}], "text": long}
     assert redact_data(event) is event
     assert redact_data(event) is event  # answered from what it remembered
 
@@ -162,7 +163,20 @@ def test_text_found_clean_is_scanned_again_once_a_secret_is_registered() -> None
     assert redact_data(event) == {
         "state": "think-[REDACTED]",
         "tried": [{"check": f"uses {REDACTED}"}],
+        "text": "workflow text " * 40 + REDACTED,
     }
+
+
+def test_what_redaction_remembers_stays_bounded() -> None:
+    from fsm_kernel import redact as module
+
+    for i in range(3 * module._CLEAN_MAX_LONG):
+        assert redact_data(f"{i:>300}") == f"{i:>300}"
+    for i in range(module._CLEAN_MAX_COUNT + 10):
+        assert redact_data(f"id-{i:06}") == f"id-{i:06}"
+
+    assert 0 < len(module._clean.long) <= module._CLEAN_MAX_LONG
+    assert 0 < len(module._clean.texts) <= module._CLEAN_MAX_COUNT
 
 
 def test_subclasses_of_str_dict_and_list_are_walked_like_the_plain_types() -> None:
