@@ -230,7 +230,7 @@ class RunRecorder:
         `data` may be a `Redacted` (data recorded again and again, redacted once)."""
         # nothing secret reaches the store, the log or a watcher
         payload: dict[str, Any] = data.get() if type(data) is Redacted else redact_data(data)
-        if self.catching_up:
+        if self._cursor < len(self._expected):  # catching up
             if _added_later(type_, payload) and not self._same(
                 self._expected[self._cursor], type_, payload
             ):
@@ -253,7 +253,8 @@ class RunRecorder:
         self.events.append(event)
         for watch in self.watchers:
             watch(event)
-        logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
+        if logger.isEnabledFor(logging.DEBUG):  # the arguments cost more than the check
+            logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
         return event
 
     @staticmethod
