@@ -275,7 +275,7 @@ class Kernel:
             )
             machine = self.workflow.instantiate(ctx)
             recorder.state = machine.state
-            recorder.record(EventType.STATE_ENTERED, machine.entered_data())
+            recorder.record(EventType.STATE_ENTERED, machine.entered_recorded())
             await recorder.flush()  # the run exists in the log before its first step
             return await self.drive(ctx, machine, recorder)
 
@@ -408,13 +408,13 @@ class Kernel:
             fired = await self._advance(ctx, machine, recorder, transitions)
             _check_deadline(ctx)
             transitions += 1
-            recorder.record(EventType.TRANSITION_TAKEN, fired.to_dict())
+            recorder.record(EventType.TRANSITION_TAKEN, fired.recorded)
             recorder.state = machine.state  # inside a compound target: where it entered
             enter_and_leave(ctx, self.spec, deadlines, recorder.record, now_in=machine.state,
                             target=fired.target, fired=fired.index)  # fmt: skip
             if fired.final:
                 return as_reason(fired.reason or TerminationReason.FINAL_ANSWER)
-            recorder.record(EventType.STATE_ENTERED, machine.entered_data())
+            recorder.record(EventType.STATE_ENTERED, machine.entered_recorded())
             # committed before the run next waits; at once after a user's action
             action = self.workflow.actions.get(state)
             await recorder.end_step(at_once=action is not None and action.user_code)

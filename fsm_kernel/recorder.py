@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 from fsm_kernel.protocol import Clock, Event, EventStore, EventType, SystemClock
-from fsm_kernel.redact import redact_data
+from fsm_kernel.redact import Redacted, redact_data
 from fsm_kernel.streaming import StreamNotice, TextDelta
 
 __all__ = ["RunRecorder"]
@@ -224,16 +224,18 @@ class RunRecorder:
         for watch in self.watchers:
             watch(item)
 
-    def record(self, type_: EventType, data: dict[str, Any]) -> Event | None:
+    def record(self, type_: EventType, data: dict[str, Any] | Redacted) -> Event | None:
         """Append an event (or, catching up with the log, take the recorded one it matches);
-        None for an event that a log written by an older fsm-kernel lacks (`_added_later`)."""
-        data = redact_data(data)  # nothing secret reaches the store, the log or a watcher
-        if self.catching_up:
-            if _added_later(type_, data) and not self._same(
-                self._expected[self._cursor], type_, data
+        None for an event that a log written by an older fsm-kernel lacks (`_added_later`).
+        `data` may be a `Redacted` (data recorded again and again, redacted once)."""
+        # nothing secret reaches the store, the log or a watcher
+        payload: dict[str, Any] = data.get() if type(data) is Redacted else redact_data(data)
+        if self._cursor < len(self._expected):  # catching up
+            if _added_later(type_, payload) and not self._same(
+                self._expected[self._cursor], type_, payload
             ):
                 return None  # the history re-driven stays as it was written
-            matched = self._match(type_, data)
+            matched = self._match(type_, payload)
             if matched is not None:
                 return matched
         event = Event(
@@ -243,7 +245,7 @@ class RunRecorder:
             timestamp=self.clock.now(),
             iteration=self.iteration,
             state=self.state,
-            data=data,
+            data=payload,
         )
         if self.store is not None:
             self._pending.append(event)
@@ -251,7 +253,8 @@ class RunRecorder:
         self.events.append(event)
         for watch in self.watchers:
             watch(event)
-        logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
+        if logger.isEnabledFor(logging.DEBUG):  # the arguments cost more than the check
+            logger.debug("event %d %s %s", event.seq, type_.value, self.state or "")
         return event
 
     @staticmethod

@@ -34,6 +34,7 @@ from urllib.parse import unquote
 __all__ = [
     "REDACTED",
     "REPLACEMENT",
+    "Redacted",
     "StreamRedactor",
     "encodable",
     "find_lone_surrogate",
@@ -81,6 +82,7 @@ def register_secret(value: str | None) -> None:
         # Longest first, so a key that contains another registered key is replaced whole.
         _secrets = tuple(sorted((*_secrets, value), key=len, reverse=True))
         _secret_pattern = re.compile("|".join(re.escape(s) for s in _secrets))
+        _registry_changed()
 
 
 def register_url_password(url: str) -> None:
@@ -108,6 +110,7 @@ def _forget_secrets() -> None:
     with _lock:
         _secrets = ()
         _secret_pattern = None
+        _registry_changed()
 
 
 def _replace(match: re.Match[str]) -> str:
@@ -220,30 +223,61 @@ def _straddled(text: str, secret: str, cut: int) -> int:
 
 def redact_data(value: Any) -> Any:
     """A copy of a JSON-like value with every string redacted; the input is not changed.
-    Values that hold no secret are returned as they are (no copy)."""
-    if type(value) in _LEAVES:
+    Values that hold no secret are returned as they are (no copy).
+
+    The run recorder calls it on every event, so the common exact types (str, dict, list and
+    the leaves) are told apart by `type(...) is` first, and a container's leaves are skipped
+    without a call each; subclasses (a FrozenDict, a str enum) take the isinstance path."""
+    kind = type(value)
+    if kind is str:
+        return _redact_str(value)
+    if kind is dict:
+        return _redact_dict(value)
+    if kind is list:
+        return _redact_items(value)
+    if kind in _LEAVES:
         return value
     if isinstance(value, str):
-        # Shorter text can hold neither a registered secret nor a credential-looking token
-        # (the shortest, `://:p@`, is 6 characters): ids, names and numbers skip the scans.
-        return redact(value) if len(value) >= _MIN_SECRET_LENGTH else encodable(value)
+        return _redact_str(value)
     if isinstance(value, dict):
-        changed: dict[Any, Any] | None = None  # copied at the first value that changes
-        for key, item in value.items():
-            redacted = redact_data(item)
-            if redacted is not item:
-                if changed is None:
-                    changed = dict(value)
-                changed[key] = redacted
-        return value if changed is None else changed
+        return _redact_dict(value)
     if isinstance(value, list | tuple):
         return _redact_items(value)
     return value
 
 
+def _redact_str(text: str) -> str:
+    # Shorter text can hold neither a registered secret nor a credential-looking token
+    # (the shortest, `://:p@`, is 6 characters): ids, names and numbers skip the scans.
+    if len(text) < _MIN_SECRET_LENGTH:
+        return text if text.isascii() else encodable(text)
+    clean = _clean
+    if clean.holds(text):
+        return text
+    redacted = redact(text)
+    if redacted is text:
+        clean.remember(text)
+    return redacted
+
+
+def _redact_dict(value: dict[Any, Any]) -> dict[Any, Any]:
+    changed: dict[Any, Any] | None = None  # copied at the first value that changes
+    for key, item in value.items():
+        if type(item) in _LEAVES:
+            continue
+        redacted = redact_data(item)
+        if redacted is not item:
+            if changed is None:
+                changed = dict(value)
+            changed[key] = redacted
+    return value if changed is None else changed
+
+
 def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
     items: list[Any] | None = None  # copied at the first item that changes
     for i, item in enumerate(value):
+        if type(item) in _LEAVES:
+            continue
         redacted = redact_data(item)
         if redacted is not item:
             if items is None:
@@ -252,6 +286,82 @@ def _redact_items(value: list[Any] | tuple[Any, ...]) -> Any:
     if items is None:
         return value
     return tuple(items) if isinstance(value, tuple) else items
+
+
+_CLEAN_MAX_LENGTH = 256
+"""Text up to this long is remembered by its value (a lookup hashes short text at most);
+longer text by the object only (the workflow's text, a system prompt: the same object in
+every run's `run.started`), so a long text is never hashed to be looked up."""
+_CLEAN_MAX_COUNT = 4096
+"""Short texts remembered at most: past it the set starts over (memory stays bounded)."""
+_CLEAN_MAX_LONG = 64
+"""Long texts remembered at most (by object): past it they start over."""
+
+
+class _CleanTexts:
+    """Texts `redact` returned unchanged under the registry as it is now: state names, guard
+    labels, tool names and ids, which an event repeats at every step, and the long texts every
+    run records again (the workflow's text). Redaction is a pure function of the text and the
+    registry, so a text found here needs no scan; registering a secret replaces this with an
+    empty one (see `_registry_changed`)."""
+
+    __slots__ = ("long", "texts")
+
+    def __init__(self) -> None:
+        self.texts: set[str] = set()
+        self.long: dict[int, str] = {}
+        """id(text) → text (held, so that its id is not reused while it is here)."""
+
+    def holds(self, text: str) -> bool:
+        if len(text) <= _CLEAN_MAX_LENGTH:
+            return text in self.texts
+        return self.long.get(id(text)) is text
+
+    def remember(self, text: str) -> None:
+        if len(text) <= _CLEAN_MAX_LENGTH:
+            if len(self.texts) >= _CLEAN_MAX_COUNT:
+                self.texts = set()
+            self.texts.add(text)
+            return
+        if len(self.long) >= _CLEAN_MAX_LONG:
+            self.long = {}
+        self.long[id(text)] = text
+
+
+_clean = _CleanTexts()
+_generation = 0
+"""Bumped whenever the registry changes: what was redacted before may need it again."""
+
+
+def _registry_changed() -> None:
+    """A secret was registered or forgotten (called with `_lock` held): what was clean
+    before may not be now."""
+    global _clean, _generation
+    _clean = _CleanTexts()
+    _generation += 1
+
+
+class Redacted:
+    """A JSON-like value that is recorded again and again unchanged (the data of a transition
+    the engine decided before), redacted once and reused until a secret is registered.
+
+    `get()` is `redact_data(value)`, computed again only when the registry changed since it
+    was last computed. The run recorder takes one in place of the data it would redact: the
+    value must not be changed once wrapped (the recorder shares it between events)."""
+
+    __slots__ = ("_generation", "_redacted", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._redacted: Any = None
+        self._generation = -1
+
+    def get(self) -> Any:
+        generation = _generation  # read first: a secret registered meanwhile redoes it
+        if self._generation != generation:
+            self._redacted = redact_data(self.value)
+            self._generation = generation
+        return self._redacted
 
 
 def redact_lines(lines: Iterable[str]) -> Iterable[str]:

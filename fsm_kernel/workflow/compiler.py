@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from statemachine import StateChart
@@ -31,6 +32,7 @@ from statemachine.exceptions import StateMachineError, TransitionNotAllowed
 from statemachine.io import create_machine_class_from_definition
 
 from fsm_kernel.errors import NoTransitionError, WorkflowValidationError
+from fsm_kernel.redact import Redacted
 from fsm_kernel.workflow.actions import ActionDef, in_thread, resolve_action, resolve_guard
 from fsm_kernel.workflow.compound import edges_tried, final_child_of, history_entry, leaves
 from fsm_kernel.workflow.context import RunContext
@@ -98,6 +100,13 @@ class FiredTransition:
             data["tried"] = list(self.tried)
         return data
 
+    @cached_property
+    def recorded(self) -> Redacted:
+        """`to_dict()` as `transition.taken` records it, redacted once: a decision taken
+        again reuses its FiredTransition (see `Machine.step`), so its data is built and
+        redacted once per decision, not at every step."""
+        return Redacted(self.to_dict())
+
 
 class Machine:
     """One run's state machine: where it is, and one `step()` at a time.
@@ -118,21 +127,27 @@ class Machine:
         self._arrive(compiled.spec.entry(start or compiled.spec.initial))
 
     def _arrive(self, state: str) -> None:
-        spec = self.compiled.spec
-        self._where = (state, spec.ends_run(state))
+        compiled = self.compiled
+        self._where = (state, compiled.ends_run[state])
         self.ctx.current_state = state
-        for compound in spec.ancestors(state):
+        for compound in compiled.ancestors[state]:
             self.last_inside[compound] = state
 
     def entered_data(self) -> dict[str, Any]:
         """The data of the `state.entered` event for the current state: its full path in a
         workflow with compound states ({"path": "research.think"}), else nothing."""
-        spec = self.compiled.spec
-        return {"path": spec.state_path(self.state)} if spec.has_compound else {}
+        return dict(self.compiled.entered[self.state].value)
+
+    def entered_recorded(self) -> Redacted:
+        """`entered_data()`, made once per state and redacted once (see `Redacted`)."""
+        return self.compiled.entered[self.state]
 
     def _landing(self, index: int) -> str:
         """The state an edge leads to: its target, or inside a compound target its initial
         entry, or with `enter: history` where the run last was in it."""
+        landing = self.compiled.landings.get(index)
+        if landing is not None:
+            return landing
         spec = self.compiled.spec
         edge = spec.catch_edge(index)
         if edge is not None:
@@ -191,18 +206,24 @@ class Machine:
         key = (source, _guard_values(guards, self.ctx)) if guards is not None else None
         decided = self.compiled.decisions.get(key) if key is not None else None
         if decided is not None:
-            index = decided[0]
+            index = decided.index
             self.compiled.on_fire[index](self.ctx)
-            notes.tried = list(decided[1])  # the same values: the same checks, in order
+            notes.tried = list(decided.tried)  # the same values: the same checks, in order
         else:
             index = self._send(source)
             if key is not None:
-                self.compiled.decisions[key] = (index, tuple(notes.tried))
+                decided = self.compiled.decisions[key] = Decision(index, tuple(notes.tried))
         target = self._landing(index)
         if self._sm is not None and self._sm.current_state_value != target:
             self._sm.current_state_value = target  # the engine went to the static target
         self._arrive(target)
-        return self._fired(index, source)
+        if decided is None:
+            return self._fired(index, source)
+        # The same decision landing in the same state is the same transition: built once.
+        fired = decided.fired.get(target)
+        if fired is None:
+            fired = decided.fired[target] = self._fired(index, source)
+        return fired
 
     def _fired(self, index: int, source: str) -> FiredTransition:
         spec = self.compiled.spec
@@ -250,6 +271,18 @@ class Machine:
         index = self.ctx.notes.fired
         assert index is not None, "a fired transition always marks itself"
         return index
+
+
+@dataclass
+class Decision:
+    """What the engine decided in one situation (a state and its guards' values): the
+    transition it fired, the checks it evaluated on the way (`FiredTransition.tried`), and
+    the FiredTransition of each state the decision landed in (one, unless the edge enters a
+    compound state's history), reused when the decision is taken again."""
+
+    index: int
+    tried: Tried
+    fired: dict[str, FiredTransition] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -315,9 +348,23 @@ class CompiledWorkflow:
         """The waiting states (no action; edges on events or timers) and what they wait for."""
         self.deadlines = deadline_edges(spec)
         """The compound states with `after:` edges, and those edges (see deadlines.py)."""
-        self.decisions: dict[tuple[str, tuple[bool | None, ...]], tuple[int, Tried]] = {}
+        self.decisions: dict[tuple[str, tuple[bool | None, ...]], Decision] = {}
         """(state, its guards' values) → the transition the engine fired for them, and the
         checks it evaluated on the way (`FiredTransition.tried`)."""
+        # Per-state facts the machine reads at every step, as plain dicts (the spec's
+        # methods read pydantic private attributes and build lists each time).
+        self.ancestors: dict[str, tuple[str, ...]] = {
+            sid: tuple(spec.ancestors(sid)) for sid in spec.states
+        }
+        self.ends_run: dict[str, bool] = {sid: spec.ends_run(sid) for sid in spec.states}
+        self.entered: dict[str, Redacted] = {
+            sid: Redacted({"path": spec.state_path(sid)} if spec.has_compound else {})
+            for sid in spec.states
+        }
+        """Each state's `state.entered` data (see `Machine.entered_data`)."""
+        self.landings: dict[int, str] = _static_landings(spec)
+        """The state each edge leads to, for the edges that lead to the same one every
+        time (all but those entering a compound state's history)."""
         self.machine_class = _build_class(spec, states)  # after: the factory consumes `states`
 
     def instantiate(self, ctx: RunContext, *, start: str | None = None) -> Machine:
@@ -325,6 +372,14 @@ class CompiledWorkflow:
         if start is not None and start not in self.spec.states:
             raise NoTransitionError(f"unknown state {start!r}")
         return Machine(self, ctx, start=start)
+
+
+def _static_landings(spec: WorkflowSpec) -> dict[int, str]:
+    """Edge index → the state a run is in once it takes the edge (`WorkflowSpec.entry` of
+    its target), for every edge but those with `enter: history`."""
+    targets = {i: t.target for i, t in enumerate(spec.transitions) if t.enter != "history"}
+    targets.update((edge.index, edge.target) for edge in spec.catch_edges())
+    return {i: spec.entry(target) for i, target in targets.items() if target in spec.states}
 
 
 def _guard_values(

@@ -246,3 +246,35 @@ def test_a_model_call_that_never_answered_is_a_failed_iteration_stamped_with_its
         (e.type.value, e.iteration) for e in result.events if e.type.value == "model.requested"
     ]
     assert by_iteration == [("model.requested", 1), ("model.requested", 2)]
+
+
+def test_a_decision_taken_again_is_recorded_alike_and_redacted_once_a_secret_is_known() -> None:
+    # A decision the engine made before is taken from the cache with its transition's data,
+    # built and redacted once; registering a secret must still redact that data.
+    import json
+
+    from fsm_kernel.redact import REDACTED, _forget_secrets, register_secret
+
+    def transitions() -> list[dict[str, Any]]:
+        result = DEFAULT.run("go", model=ScriptedChatModel(["hi"]))
+        return [e.data for e in result.events if e.type is EventType.TRANSITION_TAKEN]
+
+    def checks(data: list[dict[str, Any]]) -> list[str]:
+        return [c["check"] for t in data for tried in t["tried"] for c in tried["checks"]]
+
+    first, again = transitions(), transitions()
+    assert again == first
+    assert [(t["source"], t["target"]) for t in first] == [
+        ("observe", "think"),
+        ("think", "terminate"),
+    ]
+    assert checks(first)[0] == "has_tool_calls"
+    try:
+        register_secret("has_tool_calls")
+        secret = transitions()
+    finally:
+        _forget_secrets()
+
+    assert checks(secret) == [REDACTED, *checks(first)[1:]]
+    assert "has_tool_calls" not in json.dumps(secret)
+    assert transitions() == first  # forgotten: as before

@@ -150,6 +150,66 @@ def test_redact_data_scans_strings_as_short_as_the_shortest_secret() -> None:
     assert redact_data(short) is short
 
 
+def test_text_found_clean_is_scanned_again_once_a_secret_is_registered() -> None:
+    # redact_data remembers short text it found clean (state names, labels repeat at every
+    # step); a secret registered later must still be caught in that same text.
+    long = "workflow text " * 40 + "hunter2-x"  # remembered by the object, not its value
+    event = {"state": "think-hunter2-x", "tried": [{"check": "uses hunter2-x"}], "text": long}
+    assert redact_data(event) is event
+    assert redact_data(event) is event  # answered from what it remembered
+
+    register_secret("hunter2-x")
+
+    assert redact_data(event) == {
+        "state": "think-[REDACTED]",
+        "tried": [{"check": f"uses {REDACTED}"}],
+        "text": "workflow text " * 40 + REDACTED,
+    }
+
+
+def test_what_redaction_remembers_stays_bounded() -> None:
+    from fsm_kernel import redact as module
+
+    for i in range(3 * module._CLEAN_MAX_LONG):
+        assert redact_data(f"{i:>300}") == f"{i:>300}"
+    for i in range(module._CLEAN_MAX_COUNT + 10):
+        assert redact_data(f"id-{i:06}") == f"id-{i:06}"
+
+    assert 0 < len(module._clean.long) <= module._CLEAN_MAX_LONG
+    assert 0 < len(module._clean.texts) <= module._CLEAN_MAX_COUNT
+
+
+def test_subclasses_of_str_dict_and_list_are_walked_like_the_plain_types() -> None:
+    from fsm_kernel.session import FrozenDict
+
+    register_secret("s3cr3t-value")
+
+    class Text(str):
+        pass
+
+    frozen = FrozenDict({"args": ["s3cr3t-value", 1], "n": 2})
+    out = redact_data({"frozen": frozen, "text": Text("key s3cr3t-value")})
+
+    assert out == {"frozen": {"args": [REDACTED, 1], "n": 2}, "text": f"key {REDACTED}"}
+    assert type(out["frozen"]) is dict  # a changed copy is a plain dict
+    assert frozen["args"][0] == "s3cr3t-value"
+
+
+def test_a_redacted_value_is_redacted_once_and_again_after_a_secret_is_registered() -> None:
+    from fsm_kernel.redact import Redacted
+
+    data = {"target": "vault-7781", "tried": [{"check": "ok", "value": True}]}
+    once = Redacted(data)
+
+    assert once.get() is data  # nothing to redact: the value itself
+    assert once.get() is data
+
+    register_secret("vault-7781")
+    assert once.get() == {"target": REDACTED, "tried": [{"check": "ok", "value": True}]}
+    assert once.get() is once.get()  # computed once for this registry
+    assert data["target"] == "vault-7781"
+
+
 def test_redact_lines() -> None:
     register_secret("s3cr3t-value")
 

@@ -8,6 +8,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -477,6 +478,74 @@ def test_a_timed_out_sync_handler_keeps_its_thread_and_the_next_call_gets_anothe
         assert threads[0] != threads[1]  # the hung handler still holds its thread
     finally:
         release.set()
+
+
+def test_a_sync_handler_slow_last_time_is_awaited_and_one_quick_again_is_waited_for() -> None:
+    # A handler quick last time is waited for on the loop's thread (briefly, blocked); one
+    # that outlasted QUICK_SECONDS is awaited, the loop running other work meanwhile.
+    from fsm_kernel.tools.registry import _POOL
+
+    registry = ToolRegistry()
+    pause = [0.05]
+
+    @registry.register
+    def varies_in_speed_7() -> str:
+        time.sleep(pause[0])
+        return "done"
+
+    async def call_while_ticking() -> tuple[str, int]:
+        ticks = 0
+        stop = False
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        before = ticks
+        result = await registry.execute(call("varies_in_speed_7"))
+        stop = True
+        await ticker
+        return result.content, ticks - before
+
+    async def main() -> list[tuple[str, int, bool]]:
+        out = []
+        for seconds in (0.05, 0.05, 0.0, 0.0):
+            pause[0] = seconds
+            content, ticks = await call_while_ticking()
+            out.append((content, ticks, "varies_in_speed_7" in _POOL._slow))
+        return out
+
+    first, second, quick, again = asyncio.run(main())
+    assert [first[0], second[0], quick[0], again[0]] == ["done"] * 4
+    assert (first[2], second[2]) == (True, True)  # slow: awaited from now on
+    assert min(first[1], second[1]) > 1  # the loop ran the ticker while the tool slept
+    assert quick[2] is False  # its call was quick (it ran in under QUICK_SECONDS) again
+
+
+def test_an_outcome_that_comes_just_after_the_wait_gave_up_is_not_lost() -> None:
+    from fsm_kernel.tools.registry import _Handoff
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        handoff = _Handoff(loop, contextvars.copy_context(), lambda: "value")
+        assert handoff.wait(0) is False  # nothing ran yet
+        handoff.work()()  # the pool's thread runs and delivers before the caller awaits
+        first = await handoff.settled()
+        failing = _Handoff(loop, contextvars.copy_context(), lambda: 1 / 0)
+        failing.work()()
+        with pytest.raises(ZeroDivisionError):
+            await failing.settled()
+        late = _Handoff(loop, contextvars.copy_context(), lambda: "late")
+        waiting = asyncio.ensure_future(late.settled())
+        await asyncio.sleep(0)  # awaiting its future now
+        await asyncio.to_thread(lambda: late.work()())  # delivered from another thread
+        return [first, await waiting]
+
+    assert asyncio.run(main()) == ["value", "late"]
 
 
 def test_async_handler_is_awaited() -> None:
