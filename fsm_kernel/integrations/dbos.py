@@ -35,8 +35,8 @@ buttons, which run `fsm-kernel resume`) on a run whose `run.started` says it run
 its workflow. A timer that comes due fires there too.
 
 Cancelling (`cancel_run`, `DBOSAgent.cancel`). The log decides how a run ended and the DBOS
-status is made to agree: a run that ended is not cancelled (refused); a waiting one is woken
-and ends `cancelled` at once; a running one ends `cancelled` at its next step; and one whose
+status is made to agree: a run that ended is not cancelled (refused); a waiting one sees the
+cancel within a second (its `recv` asks) and ends `cancelled`; a running one ends `cancelled` at its next step; and one whose
 workflow is cancelled after its last event (a race) is resumed by DBOS, so its workflow
 catches up with the log and records the run's own ending.
 
@@ -90,7 +90,7 @@ from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 
 __all__ = [
     "ANSWER_TOPIC",
-    "CANCEL_WAKE",
+    "CANCEL_POLL_SECONDS",
     "Canceller",
     "DBOSAgent",
     "DBOSChannel",
@@ -108,9 +108,9 @@ logger = logging.getLogger(__name__)
 ANSWER_TOPIC = "fsm-kernel.answer"
 """The DBOS message topic a waiting run receives its answers on (`HumanAnswer.to_dict()`)."""
 
-CANCEL_WAKE = {"fsm-kernel": "cancelled"}
-"""The message `cancel_run` sends a waiting run after cancelling its workflow: it wakes from
-`recv` and ends `cancelled` at once, in its log as in DBOS."""
+CANCEL_POLL_SECONDS = 1.0
+"""How often a run waiting in `recv` asks whether its workflow was cancelled meanwhile (a
+cancel only writes DBOS's status, which wakes no `recv`)."""
 
 _DBOS_ATTEMPTS = 100
 """DBOS's own default `max_recovery_attempts`."""
@@ -292,12 +292,7 @@ async def _receive(topic: str, question: Question) -> HumanAnswer | None:
     answer of another kind (sent by mistake) is logged and dropped: the run goes on waiting."""
     while True:
         timeout = _WAIT_SLICE if question.due is None else _seconds_until(question.due)
-        async with _cancellation():
-            message = await DBOS.recv_async(topic, timeout_seconds=timeout)
-        if message == CANCEL_WAKE:  # cancel_run: the run ends `cancelled` now
-            if await _cancelled():
-                raise asyncio.CancelledError
-            continue  # a wake whose cancel did not land (the run had been resumed)
+        message = await _recv_unless_cancelled(topic, timeout)
         if message is None:
             if question.due is not None:  # it waited until the timer was due
                 return None
@@ -307,6 +302,30 @@ async def _receive(topic: str, question: Question) -> HumanAnswer | None:
             return answer
         logger.warning("dropped an answer of kind %s: the run waits for %s", answer.kind,
                        question.kind)  # fmt: skip
+
+
+async def _recv_unless_cancelled(topic: str, seconds: float) -> Any:
+    """`DBOS.recv_async(topic)` for up to `seconds` (one DBOS operation however long it
+    waits), given up as soon as the workflow is seen cancelled (asked every
+    CANCEL_POLL_SECONDS): the run then ends `cancelled`, nothing consumed.
+
+    Raises:
+        asyncio.CancelledError: the workflow was cancelled (DBOS.cancel_workflow, `cancel_run`).
+    """
+    receiving = asyncio.ensure_future(DBOS.recv_async(topic, timeout_seconds=seconds))
+    try:
+        while True:
+            done, _ = await asyncio.wait({receiving}, timeout=CANCEL_POLL_SECONDS)
+            if done:
+                async with _cancellation():
+                    return receiving.result()
+            if await _cancelled():
+                raise asyncio.CancelledError
+    finally:
+        if not receiving.done():
+            receiving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receiving
 
 
 def _seconds_until(due: str) -> float:
@@ -568,12 +587,10 @@ def dbos_engine(run: RecordedRun) -> dict[str, Any] | None:
 
 
 class Canceller(Protocol):
-    """What cancels a workflow and sends it a message: the `DBOS` class in a launched process,
-    a `DBOSClient` from any other."""
+    """What cancels a workflow: the `DBOS` class in a launched process, a `DBOSClient` from
+    any other."""
 
     def cancel_workflow(self, workflow_id: str) -> Any: ...
-
-    def send(self, destination_id: str, message: Any, topic: str | None = None) -> Any: ...
 
 
 def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
@@ -581,8 +598,8 @@ def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
     happens (one line):
 
     - never started (queued: no log yet): cancelled, it never starts;
-    - waiting (for a person, an event or a timer): cancelled and woken, it ends `cancelled`
-      now, in its log as in DBOS;
+    - waiting (for a person, an event or a timer): it ends `cancelled` within a second
+      (CANCEL_POLL_SECONDS), in its log as in DBOS;
     - running: it ends `cancelled` at its next step; one whose last step comes first ends as
       its log says, and its workflow then makes DBOS record that end (see `_record_its_end`).
 
@@ -598,7 +615,6 @@ def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
     if run is None:
         return f"cancelled run {run_id}: queued, it never starts"
     if run.waiting_for is not None:
-        dbos.send(run_id, CANCEL_WAKE, ANSWER_TOPIC)
         return f"cancelled run {run_id}: it was waiting; it ends 'cancelled' now"
     return f"cancelled run {run_id}: running, it ends 'cancelled' at its next step"
 

@@ -406,13 +406,25 @@ async def _ended(agent: DBOSAgent, run_id: str) -> list[Event]:
         await asyncio.sleep(0.05)
 
 
-def test_a_waiting_run_cancelled_ends_cancelled_at_once_in_both(launched) -> None:
+@pytest.mark.parametrize("via", ["agent", "dbos"])
+def test_a_waiting_run_cancelled_ends_cancelled_at_once_in_both(
+    launched, tmp_path: Path, via: str
+) -> None:
+    """Through DBOSAgent.cancel, or DBOS's own cancel from another process (a DBOSClient)."""
+    from dbos import DBOSClient
+
     async def go() -> tuple[str, str, list[Event]]:
         suspended = asyncio.Event()
         agent = launched("30m", ["a plan"], suspended)
         run_id = await agent.start("deploy")
         await asyncio.wait_for(suspended.wait(), 30)
-        said = await agent.cancel(run_id)
+        if via == "agent":
+            said = await agent.cancel(run_id)
+        else:
+            client = DBOSClient(system_database_url=f"sqlite:///{tmp_path / 'dbos.sqlite'}")
+            await asyncio.to_thread(client.cancel_workflow, run_id)
+            client.destroy()
+            said = "cancelled run: it was waiting; it ends 'cancelled' now"
         events = await _ended(agent, run_id)
         return said, await _dbos_status(run_id), events
 
