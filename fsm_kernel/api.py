@@ -30,7 +30,7 @@ from fsm_kernel.bootstrap import (
     run_limits,
 )
 from fsm_kernel.child_runs import LiveChildren
-from fsm_kernel.errors import ConfigError
+from fsm_kernel.errors import ConfigError, ResumeError
 from fsm_kernel.kernel import Kernel, RunResult, Watcher
 from fsm_kernel.notify import Notifier
 from fsm_kernel.protocol import (
@@ -388,10 +388,17 @@ class Agent:
             ConfigError: the agent has no store, or an unknown override.
             AnswerError: a waiting run without its answer, the wrong kind of answer, or an
                 approval of another call than the one the run's log asks about (nothing runs).
-            RunNotFoundError, ResumeError, RunLockedError: see `fsm_kernel.replay.resume_run`.
+            RunNotFoundError, ResumeError, RunLockedError: see `fsm_kernel.replay.resume_run`;
+                ResumeError also for a run an engine drives (`RecordedRun.engine`: DBOS).
         """
         store = self._require_store("resume")
         run = RecordedRun.load(store, run_id)
+        if run.engine is not None:  # resumed here, it would run a second time beside its engine
+            raise ResumeError(
+                f"run {run.run_id} runs under {run.engine}: answer it through its engine "
+                "(DBOSAgent.resume, or fsm-kernel resume, which sends the answer there)",
+                run_id=run.run_id,
+            )
         moving = await migration_check(store, run.run_id, self.spec) if migrate else None
         answer = check_answer(run, answer)  # before building anything
         given = _options(overrides)

@@ -287,6 +287,16 @@ class RecordedRun:
         value = self.started.data.get("parent_run_id")
         return str(value) if value else None
 
+    @property
+    def engine(self) -> str | None:
+        """The engine whose workflow drives this run (`settings.engine.name` in its
+        `run.started`, e.g. "dbos"; a child of such a run records it too), or None: fsm-kernel
+        itself."""
+        settings = self.started.data.get("settings")
+        engine = settings.get("engine") if isinstance(settings, dict) else None
+        name = engine.get("name") if isinstance(engine, dict) else None
+        return str(name) if name else None
+
     def root_run_id(self, store: EventStore) -> str:
         """The run at the top of this run's chain of parents (itself when it has none): the
         one an engine such as DBOS drives, a child run being a step of it."""

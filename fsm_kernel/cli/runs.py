@@ -649,9 +649,7 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
 
 def _runs_under_dbos(run: RecordedRun) -> bool:
     """The run's `run.started` says a DBOS workflow drives it (fsm_kernel.integrations.dbos)."""
-    settings = run.started.data.get("settings") or {}
-    engine = settings.get("engine") if isinstance(settings, dict) else None
-    return isinstance(engine, dict) and engine.get("name") == "dbos"
+    return run.engine == "dbos"
 
 
 def _send_to_dbos(run: RecordedRun, answer: HumanAnswer | None, *, as_json: bool, root: str) -> int:

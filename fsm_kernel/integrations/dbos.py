@@ -36,9 +36,9 @@ its workflow. A timer that comes due fires there too.
 
 Cancelling (`cancel_run`, `DBOSAgent.cancel`). The log decides how a run ended and the DBOS
 status is made to agree: a run that ended is not cancelled (refused); a waiting one sees the
-cancel within a second (its `recv` asks) and ends `cancelled`; a running one ends `cancelled` at its next step; and one whose
-workflow is cancelled after its last event (a race) is resumed by DBOS, so its workflow
-catches up with the log and records the run's own ending.
+cancel within a second (its `recv` asks) and ends `cancelled`; a running one ends `cancelled`
+at its next step; and one whose workflow is cancelled after its last event (a race) is resumed
+by DBOS, so its workflow catches up with the log and records the run's own ending.
 
 Child runs are steps: a child run ended is never run again; one cut off is resumed from its own
 log by fsm-kernel (its steps inside are not DBOS steps). A child that waits for a person makes

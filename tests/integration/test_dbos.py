@@ -353,6 +353,8 @@ def test_an_event_is_delivered_through_dbos(launched) -> None:
         await asyncio.wait_for(suspended.wait(), 30)
         with pytest.raises(AnswerError, match="for ci_passed, not event 'nope'"):
             await agent.signal(run_id, "nope")
+        with pytest.raises(ResumeError, match="runs under dbos: answer it through its engine"):
+            await agent.agent.signal(run_id, "ci_passed")  # a plain Agent would run it twice
         await agent.signal(run_id, "ci_passed", {"sha": "abc"}, by="ci")
         result = await agent.result(run_id)
         return result, agent.store.read(run_id)
