@@ -101,20 +101,25 @@ _SLOTS_DDL = (
         kernel_id TEXT NOT NULL,
         slot INTEGER NOT NULL,
         dispatch_id TEXT,
-        attempt INTEGER,
         lease_expires_at TIMESTAMPTZ,
         PRIMARY KEY (kernel_id, slot))""",
-    f"""CREATE INDEX IF NOT EXISTS {SLOTS}_holder
-        ON {SLOTS} (dispatch_id) WHERE dispatch_id IS NOT NULL""",
+    # The slot a dispatch's current attempt holds, so its heartbeats and end find it by the key
+    # (no index on the holder: a slot's updates stay HOT, never touching an index).
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS slot INTEGER",
 )
-# The dispatches running when the slots are installed (a store of the advisory-lock protocol)
-# hold slots from 0 up, so the cap counts them.
-_SEED_SLOTS = f"""
-INSERT INTO {SLOTS} (kernel_id, slot, dispatch_id, attempt, lease_expires_at)
-SELECT kernel_id, (row_number() OVER (PARTITION BY kernel_id ORDER BY dispatch_id) - 1)::integer,
-    dispatch_id, attempts, lease_expires_at
-FROM {TABLE} WHERE status = 'running'
-ON CONFLICT DO NOTHING"""
+# Made anew from the dispatches running when the slots are installed (a store of the
+# advisory-lock protocol): they hold slots from 0 up, so the cap counts them.
+_SEED_SLOTS = (
+    f"DELETE FROM {SLOTS}",
+    f"""UPDATE {TABLE} AS t SET slot = numbered.n FROM (
+        SELECT dispatch_id,
+            (row_number() OVER (PARTITION BY kernel_id ORDER BY dispatch_id) - 1)::integer AS n
+        FROM {TABLE} WHERE status = 'running') AS numbered
+    WHERE t.dispatch_id = numbered.dispatch_id""",
+    f"""INSERT INTO {SLOTS} (kernel_id, slot, dispatch_id, lease_expires_at)
+    SELECT kernel_id, slot, dispatch_id, lease_expires_at FROM {TABLE}
+    WHERE status = 'running'""",
+)
 _OLD_CLAIM_FUNCTION = (
     "fsm_kernel_claim_dispatches(text, text, timestamptz, timestamptz, integer, text, integer)"
 )
@@ -127,7 +132,7 @@ _CLAIM_SIGNATURE = (
 def _claimable(condition: str) -> str:
     """The kernel's best dispatches meeting `condition`, locked, at most one per free slot
     (skipped rows, locked by another claimer, do not count against the limit)."""
-    return f"""SELECT dispatch_id, attempts, priority, created_at FROM {TABLE}
+    return f"""SELECT dispatch_id, priority, created_at FROM {TABLE}
         WHERE kernel_id = p_kernel AND {condition} {ORDER}
         LIMIT (SELECT count(*) FROM free) FOR UPDATE SKIP LOCKED"""
 
@@ -146,9 +151,12 @@ _CLAIM_DDL = f"""
 CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
     p_cancelled text, p_limit integer)
-RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE AS $fn$
+RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
+SET enable_bitmapscan = off AS $fn$
 DECLARE
     reaped {TABLE};
+    top integer;
 BEGIN
     FOR reaped IN
         UPDATE {TABLE} SET {reap_assignments(_p)}
@@ -160,11 +168,11 @@ BEGIN
                           'ended ' || reaped.kernel_id || ' ' || reaped.dispatch_id);
         RETURN NEXT reaped;
     END LOOP;
-    IF NOT EXISTS (SELECT 1 FROM {SLOTS} WHERE kernel_id = p_kernel AND slot = p_cap - 1) THEN
+    SELECT max(slot) INTO top FROM {SLOTS} WHERE kernel_id = p_kernel;
+    IF top IS NULL OR top < p_cap - 1 THEN
         INSERT INTO {SLOTS} (kernel_id, slot)
         SELECT p_kernel, n FROM generate_series(0, p_cap - 1) AS n ON CONFLICT DO NOTHING;
-    END IF;
-    IF EXISTS (SELECT 1 FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap) THEN
+    ELSIF top >= p_cap THEN
         DELETE FROM {SLOTS} WHERE kernel_id = p_kernel AND slot IN (
             SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap
             AND {_FREE_SLOT} FOR UPDATE SKIP LOCKED);
@@ -179,32 +187,30 @@ BEGIN
             AND {_FREE_SLOT} ORDER BY slot LIMIT p_limit FOR UPDATE SKIP LOCKED) AS f),
     pending AS ({_claimable("status = 'pending'")}),
     expired AS ({_claimable(reclaimable_sql("p_now"))}),
-    ranked AS (
-        SELECT dispatch_id, attempts, row_number() OVER ({ORDER}) AS n
+    ranked AS MATERIALIZED (
+        SELECT dispatch_id, row_number() OVER ({ORDER}) AS n
         FROM (SELECT * FROM pending UNION ALL SELECT * FROM expired) AS c),
     pairs AS (
-        SELECT r.dispatch_id, r.attempts + 1 AS attempt, f.slot
-        FROM ranked AS r JOIN free AS f ON f.n = r.n),
+        SELECT r.dispatch_id, f.slot FROM ranked AS r JOIN free AS f ON f.n = r.n),
     slotted AS (
-        UPDATE {SLOTS} AS s SET dispatch_id = pairs.dispatch_id, attempt = pairs.attempt,
-            lease_expires_at = p_expires
+        UPDATE {SLOTS} AS s SET dispatch_id = pairs.dispatch_id, lease_expires_at = p_expires
         FROM pairs WHERE s.kernel_id = p_kernel AND s.slot = pairs.slot)
-    UPDATE {TABLE} AS t SET {claim_assignments(_p)}
+    UPDATE {TABLE} AS t SET {claim_assignments(_p)}, slot = pairs.slot
     FROM pairs WHERE t.dispatch_id = pairs.dispatch_id
     RETURNING t.*;
 END
 $fn$"""
 _CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s)"
-# The slot of each row a fenced update changed (`changed`) follows it: a renewed lease renews the
-# slot held by that attempt; an end (no lease left) frees every slot naming the dispatch.
+# The slot of each row a fenced update changed (`changed`, which returns the row's `slot`)
+# follows it: a renewed lease renews the slot, an end (no lease left) frees it, while the slot
+# still names the dispatch: a slot given to another dispatch after this one's lease ran out is
+# left alone.
 _SLOT_FOLLOWS = f"""
 synced AS (
     UPDATE {SLOTS} AS s SET lease_expires_at = c.lease_expires_at,
-        dispatch_id = CASE WHEN c.lease_expires_at IS NULL THEN NULL ELSE s.dispatch_id END,
-        attempt = CASE WHEN c.lease_expires_at IS NULL THEN NULL ELSE s.attempt END
+        dispatch_id = CASE WHEN c.lease_expires_at IS NULL THEN NULL ELSE s.dispatch_id END
     FROM changed AS c
-    WHERE s.dispatch_id = c.dispatch_id AND s.kernel_id = c.kernel_id
-        AND (c.lease_expires_at IS NULL OR s.attempt = c.attempts))"""
+    WHERE s.kernel_id = c.kernel_id AND s.slot = c.slot AND s.dispatch_id = c.dispatch_id)"""
 # After a dispatch ends: the `changed` row still counts as running in this statement's snapshot,
 # so "count >= cap" means the kernel was full. Notifying every end would wake every idle worker
 # of the fleet for nothing while the cap is not binding.
@@ -322,10 +328,8 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         found = conn.execute("SELECT to_regprocedure(%s) AS f", (_CLAIM_SIGNATURE,))
         if (row := found.fetchone()) is not None and row["f"] is not None:
             return
-        for statement in _SLOTS_DDL:
+        for statement in (*_SLOTS_DDL, *_SEED_SLOTS):
             conn.execute(statement)
-        conn.execute(f"DELETE FROM {SLOTS}")  # left by a dispatch table dropped and made anew
-        conn.execute(_SEED_SLOTS)
         conn.execute(_CLAIM_DDL)
         conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
 
@@ -333,7 +337,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         self, sql: str, params: tuple[Any, ...], notify: tuple[int | None, datetime] | None
     ) -> tuple[str, tuple[Any, ...]]:
         """The update with its slot following it (and, for an end, its notification)."""
-        synced = f"WITH changed AS ({sql}),{_SLOT_FOLLOWS}"
+        synced = f"WITH changed AS ({sql}, slot),{_SLOT_FOLLOWS}"  # sql ends with RETURNING
         if notify is None:
             return f"{synced} SELECT * FROM changed", params
         cap, now = notify
