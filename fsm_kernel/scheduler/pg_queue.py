@@ -13,8 +13,9 @@ advisory lock this replaces made every other claimer wait for it). A heartbeat r
 lease in the statement that renews the dispatch's; the statement that ends a dispatch (complete,
 complete_batch) frees its slot; an expired, reaped or cancelled-after-expiry dispatch's slot is
 free because its lease ran out. Cap changes resize the rows: a claim creates the missing ones up
-to its cap; after the cap is lowered, the free slots above it are deleted and no claim is made
-while a dispatch still holds one (it counts against the lower cap until it ends). The claim
+to its cap; after the cap is lowered, the dispatches still holding slots above it count against
+it until they end (the claims made meanwhile lock all the kernel's slots and count them, and
+delete the slots above the cap as they are freed). The claim
 reads partial indexes over pending and running rows, so its cost does not grow with the finished
 history. Outcomes are recorded a batch per statement (`complete_batch`) on a second connection,
 so a worker's next claim does not wait behind them.
@@ -140,8 +141,11 @@ def _claimable(condition: str) -> str:
 # A claim of up to p_limit dispatches is one prepared call of this function: one round trip,
 # plans cached by the server, no lock held beyond the rows it takes. Being VOLATILE, each
 # statement inside takes a fresh snapshot. Reaping skips rows another statement is changing (the
-# next claim reaps them). Then the slots up to p_cap are made if missing; while a dispatch holds
-# a slot at or above p_cap (the cap was lowered) nothing is claimed. The claim itself: free slots
+# next claim reaps them). Then the slots up to p_cap are made if missing. Slots at or above
+# p_cap mean the cap was lowered: the dispatches holding them count against it until they end,
+# so such a claim locks every slot of the kernel (claims take turns, as they did under the
+# advisory lock, until those slots are gone), deletes the free ones above the cap and counts the
+# held ones: the room left bounds the batch. The claim itself: free slots
 # and claimable dispatches are each locked SKIP LOCKED (no claimer waits for another), the n-th
 # best dispatch goes to the n-th free slot, and both rows are written in the same statement. A
 # slot another claimer filled after this statement's snapshot is re-read by FOR UPDATE and
@@ -157,6 +161,7 @@ SET enable_bitmapscan = off AS $fn$
 DECLARE
     reaped {TABLE};
     top integer;
+    room integer := p_limit;
 BEGIN
     FOR reaped IN
         UPDATE {TABLE} SET {reap_assignments(_p)}
@@ -173,10 +178,11 @@ BEGIN
         INSERT INTO {SLOTS} (kernel_id, slot)
         SELECT p_kernel, n FROM generate_series(0, p_cap - 1) AS n ON CONFLICT DO NOTHING;
     ELSIF top >= p_cap THEN
-        DELETE FROM {SLOTS} WHERE kernel_id = p_kernel AND slot IN (
-            SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap
-            AND {_FREE_SLOT} FOR UPDATE SKIP LOCKED);
-        IF EXISTS (SELECT 1 FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap) THEN
+        PERFORM 1 FROM {SLOTS} WHERE kernel_id = p_kernel ORDER BY slot FOR UPDATE;
+        DELETE FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap AND {_FREE_SLOT};
+        SELECT least(p_limit, p_cap - count(*)) INTO room FROM {SLOTS}
+        WHERE kernel_id = p_kernel AND NOT {_FREE_SLOT};
+        IF room <= 0 THEN
             RETURN;
         END IF;
     END IF;
@@ -184,7 +190,7 @@ BEGIN
     WITH free AS (
         SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM (
             SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot < p_cap
-            AND {_FREE_SLOT} ORDER BY slot LIMIT p_limit FOR UPDATE SKIP LOCKED) AS f),
+            AND {_FREE_SLOT} ORDER BY slot LIMIT room FOR UPDATE SKIP LOCKED) AS f),
     pending AS ({_claimable("status = 'pending'")}),
     expired AS ({_claimable(reclaimable_sql("p_now"))}),
     ranked AS MATERIALIZED (
