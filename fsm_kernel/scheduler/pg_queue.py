@@ -219,14 +219,16 @@ synced AS (
     WHERE s.kernel_id = c.kernel_id AND s.slot = c.slot AND s.dispatch_id = c.dispatch_id)"""
 # After a dispatch ends: the `changed` row still counts as running in this statement's snapshot,
 # so "count >= cap" means the kernel was full. Notifying every end would wake every idle worker
-# of the fleet for nothing while the cap is not binding.
+# of the fleet for nothing while the cap is not binding. Counted once per kernel of the batch.
 _NOTIFY_IF_SLOT_AWAITED = f"""
-SELECT changed.*, CASE WHEN %s::integer IS NULL OR (
-    (SELECT count(*) FROM {TABLE} AS t WHERE t.kernel_id = changed.kernel_id
-        AND t.status = 'running' AND t.lease_expires_at > %s) >= %s
-    AND EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.kernel_id = changed.kernel_id
-        AND t.status = 'pending'))
-THEN {notify_item("ended")} END AS notified FROM changed"""
+SELECT changed.*, CASE WHEN kernel.awaited THEN {notify_item("ended")} END AS notified
+FROM changed JOIN (
+    SELECT k.kernel_id, %s::integer IS NULL OR (
+        (SELECT count(*) FROM {TABLE} AS t WHERE t.kernel_id = k.kernel_id
+            AND t.status = 'running' AND t.lease_expires_at > %s) >= %s
+        AND EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.kernel_id = k.kernel_id
+            AND t.status = 'pending')) AS awaited
+    FROM (SELECT DISTINCT kernel_id FROM changed) AS k) AS kernel USING (kernel_id)"""
 # Several outcomes in one statement, each fenced like `complete` (status, worker, attempt).
 _COMPLETE_BATCH = f"""
 WITH outcome AS (

@@ -8,17 +8,19 @@ beyond the claims the other dispatch tests race.
 - Opening a store of the advisory-lock protocol gives its running dispatches slots (the cap
   counts them at once) and drops that protocol's claim function, so an older worker still
   running fails its claims instead of claiming outside the slots.
+- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from fsm_kernel.scheduler import Dispatch, open_queue
 from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
+from fsm_kernel.scheduler.queue import Completion
 from tests.unit.test_scheduler_fakes import FakeClock, pg_url
 
 pytestmark = pytest.mark.postgres
@@ -154,3 +156,33 @@ def test_a_store_of_the_advisory_lock_protocol_gets_slots_for_its_running_dispat
         assert gone == [{"f": None}]
     finally:
         queue.close()
+
+
+def ended_signals(url: str, act: Callable[[], None]) -> list[str]:
+    """The `ended` notifications sent while `act` runs, as dispatch ids."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as listening:
+        listening.execute("LISTEN fsm_kernel_dispatch")
+        act()
+        notes = [n.payload for n in listening.notifies(timeout=0.5, stop_after=100)]
+    return [p.split()[2] for p in notes if p.startswith("ended ")]
+
+
+def test_a_batch_of_ends_wakes_workers_only_when_the_cap_was_full(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    enqueue(queue, clock, "a", "b", "c", "d", "e")
+    first = queue.claim_batch(K, "w", 60, 10, 2)
+    outcomes = [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=1, status="done")
+        for d in first
+    ]
+    # Room to spare (2 of 10 running): nobody waits for these slots, so no signal.
+    assert ended_signals(url, lambda: queue.complete_batch(outcomes, max_concurrent=10)) == []
+    full = queue.claim_batch(K, "w", 60, 2, 2)  # the cap of 2 now full, one dispatch pending
+    outcomes = [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=1, status="done") for d in full
+    ]
+    sent = ended_signals(url, lambda: queue.complete_batch(outcomes, max_concurrent=2))
+    assert sorted(sent) == sorted(d.dispatch_id for d in full)
