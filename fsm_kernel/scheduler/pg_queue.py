@@ -15,10 +15,12 @@ complete_batch) frees its slot; an expired, reaped or cancelled-after-expiry dis
 free because its lease ran out. Cap changes resize the rows: a claim creates the missing ones up
 to its cap; after the cap is lowered, the dispatches still holding slots above it count against
 it until they end (the claims made meanwhile lock all the kernel's slots and count them, and
-delete the slots above the cap as they are freed). The claim
-reads partial indexes over pending and running rows, so its cost does not grow with the finished
-history. Outcomes are recorded a batch per statement (`complete_batch`) on a second connection,
-so a worker's next claim does not wait behind them.
+delete the slots above the cap as they are freed). One window stays, as it did when claims
+counted leases: a worker whose heartbeat comes after its lease ran out renews its dispatch even
+if the slot went to another dispatch meanwhile, so that run is outside the cap until it ends.
+The claim reads partial indexes over pending and running rows, so its cost does not grow with
+the finished history. Outcomes are recorded a batch per statement (`complete_batch`) on a second
+connection, so a worker's next claim does not wait behind them.
 
 All workers of a kernel use the same cap (its config) and this protocol: opening the store
 installs the slots (held ones for the dispatches already running) and drops the previous claim
@@ -145,12 +147,14 @@ def _claimable(condition: str) -> str:
 # p_cap mean the cap was lowered: the dispatches holding them count against it until they end,
 # so such a claim locks every slot of the kernel (claims take turns, as they did under the
 # advisory lock, until those slots are gone), deletes the free ones above the cap and counts the
-# held ones: the room left bounds the batch. The claim itself: free slots
-# and claimable dispatches are each locked SKIP LOCKED (no claimer waits for another), the n-th
-# best dispatch goes to the n-th free slot, and both rows are written in the same statement. A
-# slot another claimer filled after this statement's snapshot is re-read by FOR UPDATE and
-# skipped, its lease being live: no slot is ever given twice. Rows come back as the reaped ones
-# (failed, cancelled), then the claimed ones.
+# held ones: the room left bounds the batch. The claim itself: free slots and claimable
+# dispatches are each locked SKIP LOCKED (no claimer waits for another), the n-th best dispatch
+# goes to the n-th free slot, and both rows are written in the same statement. A slot another
+# claimer filled after this statement's snapshot is re-read by FOR UPDATE and skipped, its lease
+# being live: no slot is ever given twice. Rows come back as the reaped ones (failed,
+# cancelled), then the claimed ones. The planner settings: a kernel's slots are made at its
+# first claim, usually after the last ANALYZE saw none, and a plan costed for an empty table
+# scans all of them; every row here is meant to be found by its key.
 _CLAIM_DDL = f"""
 CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
