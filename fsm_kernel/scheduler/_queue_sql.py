@@ -63,7 +63,10 @@ __all__ = [
     "in_claim_order",
     "live_count",
     "notify_item",
+    "reap_assignments",
+    "reap_condition",
     "reap_update",
+    "reclaimable_sql",
     "sqlite_ts",
     "wake_update",
     "with_notify",
@@ -248,13 +251,22 @@ def reap_update(name: Callable[[str], str]) -> str:
     """The UPDATE (without RETURNING) that finishes the running dispatches of a kernel whose
     lease expired and that must not be reclaimed: failed after max_attempts claims, cancelled
     when a cancel was requested. `name` gives the placeholders of now, kernel and cancelled."""
-    now, kernel = name("now"), name("kernel")
-    return f"""UPDATE {TABLE} SET
-    status = CASE WHEN cancel_requested_at IS NULL THEN 'failed' ELSE 'cancelled' END,
+    return f"UPDATE {TABLE} SET {reap_assignments(name)}\nWHERE {reap_condition(name)}"
+
+
+def reap_assignments(name: Callable[[str], str]) -> str:
+    """The SET clause of a reap (placeholders now and cancelled)."""
+    return f"""status = CASE WHEN cancel_requested_at IS NULL THEN 'failed' ELSE 'cancelled' END,
     error = CASE WHEN cancel_requested_at IS NULL THEN {abandoned_sql()}
         ELSE {name("cancelled")} END,
-    finished_at = {now}, lease_expires_at = NULL
-WHERE kernel_id = {kernel} AND status = 'running' AND lease_expires_at <= {now}
+    finished_at = {name("now")}, lease_expires_at = NULL"""
+
+
+def reap_condition(name: Callable[[str], str]) -> str:
+    """A running row of the kernel whose lease expired and that must not be reclaimed
+    (placeholders now and kernel)."""
+    now = name("now")
+    return f"""kernel_id = {name("kernel")} AND status = 'running' AND lease_expires_at <= {now}
     AND (attempts >= max_attempts OR cancel_requested_at IS NOT NULL)"""
 
 

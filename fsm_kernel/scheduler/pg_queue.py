@@ -1,16 +1,31 @@
 """The PostgreSQL dispatch queue, for several workers on several hosts sharing one fleet.
 
-Claims: the fleet-wide `max_concurrent` cannot be enforced by SKIP LOCKED alone (a claimer's
-count does not see rows another claimer is locking), so each claim first takes a
-transaction-level advisory lock keyed on the kernel id: claims of one kernel are serialised, and
-under READ COMMITTED the claim statement's snapshot is taken after the previous claimer
-committed. The lock, the count of live leases, the claim of up to `limit` rows (no more than
-the cap leaves; FOR UPDATE SKIP LOCKED) and the commit run in one server-side function
-(fsm_kernel_claim_dispatches, created with the table), so the lock is held for the server's
-work only, never across a round trip, once per batch; the claim reads partial indexes over
-pending and running rows, so its cost does not grow with the finished history. Outcomes are
-recorded a batch per statement (`complete_batch`) on a second connection, so a worker's next
-claim does not wait behind them.
+Claims: the fleet-wide `max_concurrent` is kept exact by slot rows, without a lock every claim
+waits for. A kernel with cap C has C rows in `kernel_dispatch_slots` (slot 0..C-1), each free or
+held by one dispatch attempt until its lease (copied into the slot) runs out. A claim is one call
+of a server-side function (fsm_kernel_claim_with_slots): it takes up to `limit` free slots `FOR
+UPDATE SKIP LOCKED`, as many of the kernel's best claimable dispatches `FOR UPDATE SKIP LOCKED`,
+pairs them and marks both, in one statement. Two claimers never take the same slot (a slot one
+locks the other skips; one the other just filled is re-checked against its new lease), so at most
+C dispatches hold a live slot, and claimers never wait for each other: with 16 processes on 2
+cores a descheduled claimer holds only the rows it took, not the whole kernel's claims (the
+advisory lock this replaces made every other claimer wait for it). A heartbeat renews its slot's
+lease in the statement that renews the dispatch's; the statement that ends a dispatch (complete,
+complete_batch) frees its slot; an expired, reaped or cancelled-after-expiry dispatch's slot is
+free because its lease ran out. Cap changes resize the rows: a claim creates the missing ones up
+to its cap; after the cap is lowered, the dispatches still holding slots above it count against
+it until they end (the claims made meanwhile lock all the kernel's slots and count them, and
+delete the slots above the cap as they are freed). One window stays, as it did when claims
+counted leases: a worker whose heartbeat comes after its lease ran out renews its dispatch even
+if the slot went to another dispatch meanwhile, so that run is outside the cap until it ends.
+The claim reads partial indexes over pending and running rows, so its cost does not grow with
+the finished history. Outcomes are recorded a batch per statement (`complete_batch`) on a second
+connection, so a worker's next claim does not wait behind them.
+
+All workers of a kernel use the same cap (its config) and this protocol: opening the store
+installs the slots (held ones for the dispatches already running) and drops the previous claim
+function, so a worker of an older fsm-kernel still running fails its claims loudly instead of
+claiming outside the slots.
 
 Wake-ups: enqueue, the end of a dispatch and a cancel request NOTIFY channel
 `fsm_kernel_dispatch` (sent at commit); a worker's `PostgresDispatchListener` LISTENs on its own
@@ -37,16 +52,16 @@ from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.protocol import Clock, SystemClock
 from fsm_kernel.scheduler._queue_sql import (
     COLS,
+    ORDER,
     POSTGRES,
     Executor,
     SqlDispatchQueue,
-    best_claimable,
     claim_assignments,
-    claimable_sql,
     in_claim_order,
-    live_count,
     notify_item,
-    reap_update,
+    reap_assignments,
+    reap_condition,
+    reclaimable_sql,
 )
 from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
@@ -74,8 +89,8 @@ __all__ = ["PostgresDispatchListener", "PostgresDispatchQueue"]
 logger = logging.getLogger(__name__)
 
 _SCHEMA_LOCK_KEY = "fsm_kernel.scheduler.schema"
-_CLAIM_LOCK_PREFIX = "fsm_kernel.scheduler.claim:"
 _ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+SLOTS = "kernel_dispatch_slots"
 
 
 def _p(name: str) -> str:
@@ -83,68 +98,141 @@ def _p(name: str) -> str:
     return f"p_{name}"
 
 
-def _room(name: str) -> str:
-    """A parameter of the claim function, the batch's size being the room the cap leaves."""
-    return "room" if name == "limit" else _p(name)
-
-
-_CLAIM_FUNCTION = "fsm_kernel_claim_dispatches"
+_FREE_SLOT = "(lease_expires_at IS NULL OR lease_expires_at <= p_now)"
+_SLOTS_DDL = (
+    f"""CREATE TABLE IF NOT EXISTS {SLOTS} (
+        kernel_id TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        dispatch_id TEXT,
+        lease_expires_at TIMESTAMPTZ,
+        PRIMARY KEY (kernel_id, slot))""",
+    # The slot a dispatch's current attempt holds, so its heartbeats and end find it by the key
+    # (no index on the holder: a slot's updates stay HOT, never touching an index).
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS slot INTEGER",
+)
+# Made anew from the dispatches running when the slots are installed (a store of the
+# advisory-lock protocol): they hold slots from 0 up, so the cap counts them.
+_SEED_SLOTS = (
+    f"DELETE FROM {SLOTS}",
+    f"""UPDATE {TABLE} AS t SET slot = numbered.n FROM (
+        SELECT dispatch_id,
+            (row_number() OVER (PARTITION BY kernel_id ORDER BY dispatch_id) - 1)::integer AS n
+        FROM {TABLE} WHERE status = 'running') AS numbered
+    WHERE t.dispatch_id = numbered.dispatch_id""",
+    f"""INSERT INTO {SLOTS} (kernel_id, slot, dispatch_id, lease_expires_at)
+    SELECT kernel_id, slot, dispatch_id, lease_expires_at FROM {TABLE}
+    WHERE status = 'running'""",
+)
+_OLD_CLAIM_FUNCTION = (
+    "fsm_kernel_claim_dispatches(text, text, timestamptz, timestamptz, integer, text, integer)"
+)
+_CLAIM_FUNCTION = "fsm_kernel_claim_with_slots"
 _CLAIM_SIGNATURE = (
     f"{_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text, integer)"
 )
+
+
+def _claimable(condition: str) -> str:
+    """The kernel's best dispatches meeting `condition`, locked, at most one per free slot
+    (skipped rows, locked by another claimer, do not count against the limit)."""
+    return f"""SELECT dispatch_id, priority, created_at FROM {TABLE}
+        WHERE kernel_id = p_kernel AND {condition} {ORDER}
+        LIMIT (SELECT count(*) FROM free) FOR UPDATE SKIP LOCKED"""
+
+
 # A claim of up to p_limit dispatches is one prepared call of this function: one round trip,
-# plans cached by the server, and the advisory lock held only while the server works, never
-# while a message travels or the client waits for a CPU (sent as separate statements, 16
-# workers on 2 cores queued behind a descheduled lock holder). Being VOLATILE, each statement
-# inside takes a fresh snapshot, so the count sees everything the previous holder of the lock
-# committed, and the room it leaves bounds the batch: the fleet never runs more than p_cap. The
-# rows are taken FOR UPDATE SKIP LOCKED, so a row a completion, heartbeat or cancel is changing
-# is passed over instead of waited for (with the lock held). Rows come back as the reaped ones
-# (failed, cancelled), then the claimed ones.
+# plans cached by the server, no lock held beyond the rows it takes. Being VOLATILE, each
+# statement inside takes a fresh snapshot. Reaping skips rows another statement is changing (the
+# next claim reaps them). Then the slots up to p_cap are made if missing. Slots at or above
+# p_cap mean the cap was lowered: the dispatches holding them count against it until they end,
+# so such a claim locks every slot of the kernel (claims take turns, as they did under the
+# advisory lock, until those slots are gone), deletes the free ones above the cap and counts the
+# held ones: the room left bounds the batch. The claim itself: free slots and claimable
+# dispatches are each locked SKIP LOCKED (no claimer waits for another), the n-th best dispatch
+# goes to the n-th free slot, and both rows are written in the same statement. A slot another
+# claimer filled after this statement's snapshot is re-read by FOR UPDATE and skipped, its lease
+# being live: no slot is ever given twice. Rows come back as the reaped ones (failed,
+# cancelled), then the claimed ones. The planner settings: a kernel's slots are made at its
+# first claim, usually after the last ANALYZE saw none, and a plan costed for an empty table
+# scans all of them; every row here is meant to be found by its key.
 _CLAIM_DDL = f"""
 CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
     p_cancelled text, p_limit integer)
-RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE AS $fn$
+RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
+SET enable_bitmapscan = off AS $fn$
 DECLARE
     reaped {TABLE};
-    room integer;
+    top integer;
+    room integer := p_limit;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended('{_CLAIM_LOCK_PREFIX}' || p_kernel, 0));
     FOR reaped IN
-        {reap_update(_p)}
+        UPDATE {TABLE} SET {reap_assignments(_p)}
+        WHERE {reap_condition(_p)} AND dispatch_id IN (
+            SELECT dispatch_id FROM {TABLE} WHERE {reap_condition(_p)} FOR UPDATE SKIP LOCKED)
         RETURNING *
     LOOP
         PERFORM pg_notify('{NOTIFY_CHANNEL}',
                           'ended ' || reaped.kernel_id || ' ' || reaped.dispatch_id);
         RETURN NEXT reaped;
     END LOOP;
-    SELECT least(p_limit, p_cap - live.n) INTO room FROM ({live_count(_p)}) AS live;
-    IF room <= 0 THEN
-        RETURN;
+    SELECT max(slot) INTO top FROM {SLOTS} WHERE kernel_id = p_kernel;
+    IF top IS NULL OR top < p_cap - 1 THEN
+        INSERT INTO {SLOTS} (kernel_id, slot)
+        SELECT p_kernel, n FROM generate_series(0, p_cap - 1) AS n ON CONFLICT DO NOTHING;
+    ELSIF top >= p_cap THEN
+        PERFORM 1 FROM {SLOTS} WHERE kernel_id = p_kernel ORDER BY slot FOR UPDATE;
+        DELETE FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap AND {_FREE_SLOT};
+        SELECT least(p_limit, p_cap - count(*)) INTO room FROM {SLOTS}
+        WHERE kernel_id = p_kernel AND NOT {_FREE_SLOT};
+        IF room <= 0 THEN
+            RETURN;
+        END IF;
     END IF;
     RETURN QUERY
-    WITH picked AS (
-        SELECT dispatch_id FROM {TABLE}
-        WHERE dispatch_id = ANY(ARRAY({best_claimable(_room)}))
-        AND {claimable_sql(_p("now"))}
-        FOR UPDATE SKIP LOCKED)
-    UPDATE {TABLE} AS t SET {claim_assignments(_p)}
-    FROM picked WHERE t.dispatch_id = picked.dispatch_id
+    WITH free AS (
+        SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM (
+            SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot < p_cap
+            AND {_FREE_SLOT} ORDER BY slot LIMIT room FOR UPDATE SKIP LOCKED) AS f),
+    pending AS ({_claimable("status = 'pending'")}),
+    expired AS ({_claimable(reclaimable_sql("p_now"))}),
+    ranked AS MATERIALIZED (
+        SELECT dispatch_id, row_number() OVER ({ORDER}) AS n
+        FROM (SELECT * FROM pending UNION ALL SELECT * FROM expired) AS c),
+    pairs AS (
+        SELECT r.dispatch_id, f.slot FROM ranked AS r JOIN free AS f ON f.n = r.n),
+    slotted AS (
+        UPDATE {SLOTS} AS s SET dispatch_id = pairs.dispatch_id, lease_expires_at = p_expires
+        FROM pairs WHERE s.kernel_id = p_kernel AND s.slot = pairs.slot)
+    UPDATE {TABLE} AS t SET {claim_assignments(_p)}, slot = pairs.slot
+    FROM pairs WHERE t.dispatch_id = pairs.dispatch_id
     RETURNING t.*;
 END
 $fn$"""
 _CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s)"
+# The slot of each row a fenced update changed (`changed`, which returns the row's `slot`)
+# follows it: a renewed lease renews the slot, an end (no lease left) frees it, while the slot
+# still names the dispatch: a slot given to another dispatch after this one's lease ran out is
+# left alone.
+_SLOT_FOLLOWS = f"""
+synced AS (
+    UPDATE {SLOTS} AS s SET lease_expires_at = c.lease_expires_at,
+        dispatch_id = CASE WHEN c.lease_expires_at IS NULL THEN NULL ELSE s.dispatch_id END
+    FROM changed AS c
+    WHERE s.kernel_id = c.kernel_id AND s.slot = c.slot AND s.dispatch_id = c.dispatch_id)"""
 # After a dispatch ends: the `changed` row still counts as running in this statement's snapshot,
 # so "count >= cap" means the kernel was full. Notifying every end would wake every idle worker
-# of the fleet for nothing while the cap is not binding.
+# of the fleet for nothing while the cap is not binding. Counted once per kernel of the batch.
 _NOTIFY_IF_SLOT_AWAITED = f"""
-SELECT changed.*, CASE WHEN %s::integer IS NULL OR (
-    (SELECT count(*) FROM {TABLE} AS t WHERE t.kernel_id = changed.kernel_id
-        AND t.status = 'running' AND t.lease_expires_at > %s) >= %s
-    AND EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.kernel_id = changed.kernel_id
-        AND t.status = 'pending'))
-THEN {notify_item("ended")} END AS notified FROM changed"""
+SELECT changed.*, CASE WHEN kernel.awaited THEN {notify_item("ended")} END AS notified
+FROM changed JOIN (
+    SELECT k.kernel_id, %s::integer IS NULL OR (
+        (SELECT count(*) FROM {TABLE} AS t WHERE t.kernel_id = k.kernel_id
+            AND t.status = 'running' AND t.lease_expires_at > %s) >= %s
+        AND EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.kernel_id = k.kernel_id
+            AND t.status = 'pending')) AS awaited
+    FROM (SELECT DISTINCT kernel_id FROM changed) AS k) AS kernel USING (kernel_id)"""
 # Several outcomes in one statement, each fenced like `complete` (status, worker, attempt).
 _COMPLETE_BATCH = f"""
 WITH outcome AS (
@@ -158,7 +246,7 @@ changed AS (
     FROM outcome AS o
     WHERE t.dispatch_id = o.dispatch_id AND t.status = 'running'
         AND t.worker_id = o.worker_id AND t.attempts = o.attempt
-    RETURNING t.*)
+    RETURNING t.*),{_SLOT_FOLLOWS}
 {_NOTIFY_IF_SLOT_AWAITED}"""
 
 
@@ -246,17 +334,26 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         conn.execute(_ADVISORY_LOCK, (_SCHEMA_LOCK_KEY,))
 
     def _install(self, conn: Executor) -> None:
+        """The slots and the claim function, once (again after the dispatch table, and the
+        function with it, was dropped): the slots are made anew from the running dispatches,
+        and the advisory-lock claim function goes."""
         found = conn.execute("SELECT to_regprocedure(%s) AS f", (_CLAIM_SIGNATURE,))
-        if (row := found.fetchone()) is None or row["f"] is None:
-            conn.execute(_CLAIM_DDL)
+        if (row := found.fetchone()) is not None and row["f"] is not None:
+            return
+        for statement in (*_SLOTS_DDL, *_SEED_SLOTS):
+            conn.execute(statement)
+        conn.execute(_CLAIM_DDL)
+        conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
 
     def _fenced_sql(
         self, sql: str, params: tuple[Any, ...], notify: tuple[int | None, datetime] | None
     ) -> tuple[str, tuple[Any, ...]]:
+        """The update with its slot following it (and, for an end, its notification)."""
+        synced = f"WITH changed AS ({sql}, slot),{_SLOT_FOLLOWS}"  # sql ends with RETURNING
         if notify is None:
-            return sql, params
+            return f"{synced} SELECT * FROM changed", params
         cap, now = notify
-        return f"WITH changed AS ({sql}) {_NOTIFY_IF_SLOT_AWAITED}", (*params, cap, now, cap)
+        return f"{synced} {_NOTIFY_IF_SLOT_AWAITED}", (*params, cap, now, cap)
 
     def _session(self) -> AbstractContextManager[psycopg.Connection[dict[str, Any]]]:
         """The main connection (autocommit), psycopg's errors translated to StoreError."""

@@ -1,0 +1,188 @@
+"""The PostgreSQL queue's fleet cap kept by slot rows (pg_queue.py): what the slots must do
+beyond the claims the other dispatch tests race.
+
+- A heartbeat renews its slot with its lease: a dispatch whose first lease would have run out
+  still fills its slot, so the cap holds.
+- A lowered cap counts the dispatches still holding slots above it until they end (exact, not
+  merely conservative), and the slots above it are deleted as they are freed.
+- Opening a store of the advisory-lock protocol gives its running dispatches slots (the cap
+  counts them at once) and drops that protocol's claim function, so an older worker still
+  running fails its claims instead of claiming outside the slots.
+- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fsm_kernel.scheduler import Dispatch, open_queue
+from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
+from fsm_kernel.scheduler.queue import Completion
+from tests.unit.test_scheduler_fakes import FakeClock, pg_url
+
+pytestmark = pytest.mark.postgres
+
+K = "k1"
+OLD_FUNCTION = (
+    "fsm_kernel_claim_dispatches(text, text, timestamptz, timestamptz, integer, text, integer)"
+)
+
+
+@pytest.fixture
+def url(pg_dsn: str) -> str:
+    return pg_url(pg_dsn)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def queue(url: str, clock: FakeClock) -> Iterator[PostgresDispatchQueue]:
+    q = open_queue(url, clock=clock)
+    assert isinstance(q, PostgresDispatchQueue)
+    yield q
+    q.close()
+
+
+def sql(url: str, statement: str) -> list[dict[str, Any]]:
+    import psycopg
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as conn:
+        cursor = conn.execute(statement)
+        return list(cursor.fetchall()) if cursor.description else []
+
+
+def enqueue(queue: PostgresDispatchQueue, clock: FakeClock, *agents: str) -> list[Dispatch]:
+    """One dispatch per agent, a second apart: claimed in this order."""
+    made = []
+    for agent in agents:
+        d = queue.enqueue(K, agent, "p", 0, None)
+        assert d is not None
+        made.append(d)
+        clock.advance(1)
+    return made
+
+
+def claim(queue: PostgresDispatchQueue, cap: int, limit: int = 10) -> list[str]:
+    return [d.agent_id for d in queue.claim_batch(K, "w", 60, cap, limit)]
+
+
+def done(queue: PostgresDispatchQueue, d: Dispatch) -> None:
+    row = queue.get(d.dispatch_id)
+    assert row is not None
+    queue.complete(d.dispatch_id, "w", status="done", attempt=row.attempts)
+
+
+def slot_numbers(url: str) -> list[int]:
+    return [r["slot"] for r in sql(url, "SELECT slot FROM kernel_dispatch_slots ORDER BY slot")]
+
+
+def test_a_heartbeat_keeps_the_slot_its_dispatch_holds(
+    queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, _ = enqueue(queue, clock, "a", "b")
+    assert claim(queue, cap=1) == ["a"]
+    clock.advance(50)
+    queue.heartbeat(a.dispatch_id, "w", 60, attempt=1)
+    clock.advance(50)  # the claim's lease has run out, the heartbeat's has not
+    assert claim(queue, cap=1) == []  # b waits: a still fills the one slot
+    clock.advance(11)  # now the renewed lease has run out too: a is reclaimed, before b
+    assert claim(queue, cap=1) == ["a"]
+
+
+def test_a_lowered_cap_counts_the_dispatches_above_it_until_they_end(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, b, c, *_ = enqueue(queue, clock, "a", "b", "c", "d", "e", "f")
+    assert claim(queue, cap=3) == ["a", "b", "c"]  # slots 0, 1, 2
+    done(queue, a)  # frees slot 0; c still holds slot 2, above a cap of 2
+    assert claim(queue, cap=2) == []  # b and c run: the lower cap is full
+    done(queue, b)
+    assert claim(queue, cap=2) == ["d"]  # c and d: one taken, not two
+    assert claim(queue, cap=2) == []
+    assert slot_numbers(url) == [0, 1, 2]  # slot 2 is c's until c ends
+    done(queue, c)
+    assert claim(queue, cap=2) == ["e"]
+    assert slot_numbers(url) == [0, 1]  # the cap's slots only, from now on
+    assert claim(queue, cap=2) == []
+
+
+def test_a_raised_cap_adds_slots(url: str, queue: PostgresDispatchQueue, clock: FakeClock) -> None:
+    enqueue(queue, clock, "a", "b", "c", "d")
+    assert claim(queue, cap=1) == ["a"]
+    assert claim(queue, cap=3) == ["b", "c"]
+    assert slot_numbers(url) == [0, 1, 2]
+
+
+def test_a_store_of_the_advisory_lock_protocol_gets_slots_for_its_running_dispatches(
+    url: str, clock: FakeClock
+) -> None:
+    first = open_queue(url, clock=clock)
+    for agent in "abc":
+        first.enqueue(K, agent, "p", 0, None)
+        clock.advance(1)
+    running = first.claim_batch(K, "old", 60, 5, 2)
+    first.close()
+    # What the previous release left: no slots, no slot column, its own claim function.
+    sql(url, "DROP FUNCTION fsm_kernel_claim_with_slots")
+    sql(url, "DROP TABLE kernel_dispatch_slots")
+    sql(url, "ALTER TABLE kernel_dispatch_tasks DROP COLUMN slot")
+    sql(
+        url,
+        f"CREATE FUNCTION {OLD_FUNCTION} RETURNS SETOF kernel_dispatch_tasks "
+        "LANGUAGE sql AS 'SELECT * FROM kernel_dispatch_tasks WHERE false'",
+    )
+
+    queue = open_queue(url, clock=clock)
+    try:
+        # The two running dispatches hold slots: with a cap of 2 nothing more runs.
+        assert queue.claim_batch(K, "new", 60, 2, 5) == []
+        assert sorted(
+            r["dispatch_id"]
+            for r in sql(
+                url, "SELECT dispatch_id FROM kernel_dispatch_slots WHERE dispatch_id IS NOT NULL"
+            )
+        ) == sorted(d.dispatch_id for d in running)
+        queue.complete(running[0].dispatch_id, "old", status="done", attempt=1)
+        assert [d.agent_id for d in queue.claim_batch(K, "new", 60, 2, 5)] == ["c"]
+        # An older worker still running fails its claims loudly.
+        gone = sql(url, f"SELECT to_regprocedure('{OLD_FUNCTION}') AS f")
+        assert gone == [{"f": None}]
+    finally:
+        queue.close()
+
+
+def ended_signals(url: str, act: Callable[[], None]) -> list[str]:
+    """The `ended` notifications sent while `act` runs, as dispatch ids."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as listening:
+        listening.execute("LISTEN fsm_kernel_dispatch")
+        act()
+        notes = [n.payload for n in listening.notifies(timeout=0.5, stop_after=100)]
+    return [p.split()[2] for p in notes if p.startswith("ended ")]
+
+
+def test_a_batch_of_ends_wakes_workers_only_when_the_cap_was_full(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    enqueue(queue, clock, "a", "b", "c", "d", "e")
+    first = queue.claim_batch(K, "w", 60, 10, 2)
+    outcomes = [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=1, status="done")
+        for d in first
+    ]
+    # Room to spare (2 of 10 running): nobody waits for these slots, so no signal.
+    assert ended_signals(url, lambda: queue.complete_batch(outcomes, max_concurrent=10)) == []
+    full = queue.claim_batch(K, "w", 60, 2, 2)  # the cap of 2 now full, one dispatch pending
+    outcomes = [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=1, status="done") for d in full
+    ]
+    sent = ended_signals(url, lambda: queue.complete_batch(outcomes, max_concurrent=2))
+    assert sorted(sent) == sorted(d.dispatch_id for d in full)
