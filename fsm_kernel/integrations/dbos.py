@@ -68,7 +68,7 @@ from fsm_kernel import errors
 from fsm_kernel.api import Agent
 from fsm_kernel.bootstrap import attach_mcp
 from fsm_kernel.child_runs import LiveChildren
-from fsm_kernel.errors import ConfigError, FsmKernelError, ResumeError
+from fsm_kernel.errors import ConfigError, FsmKernelError, ResumeError, RunNotFoundError
 from fsm_kernel.kernel import Kernel, RunResult
 from fsm_kernel.protocol import (
     ChatModel,
@@ -606,7 +606,10 @@ def cancel_run(store: EventStore, run_id: str, dbos: Canceller) -> str:
     Raises:
         ResumeError: the run already ended in its log: nothing is cancelled.
     """
-    run = RecordedRun.load(store, run_id) if store.read(run_id) else None
+    try:
+        run: RecordedRun | None = RecordedRun.load(store, run_id)
+    except RunNotFoundError:  # queued, never started: no log yet
+        run = None
     if run is not None and run.terminated is not None:
         reason = run.terminated.data.get("reason")
         raise ResumeError(f"run {run_id} already ended ({reason}): nothing to cancel",

@@ -100,9 +100,7 @@ class CaseCoverage:
 
     def reachable_reasons(self) -> list[str]:
         """The reasons the workflow's edges (and catch entries) end runs with."""
-        named = [t.reason for t in self.spec.transitions if t.reason]
-        named += [c.reason for c in self.spec.catch_edges() if c.reason]
-        return list(dict.fromkeys(str(r) for r in named))
+        return self.spec.edge_reasons()
 
     def to_dict(self) -> dict[str, Any]:
         declared = self.declared_edges

@@ -124,8 +124,7 @@ def _impossible_reason(harness: WorkflowHarness, reason: str | None) -> str | No
     """Why `expect: reason:` names a reason no run of the workflow can end with (a typo, or
     a reason of another workflow): the case is broken, whatever the run does."""
     spec = harness.spec
-    named = {str(t.reason) for t in spec.transitions if t.reason}
-    named |= {str(c.reason) for c in spec.catch_edges() if c.reason}
+    named = set(spec.edge_reasons())
     possible = set(TERMINATION_REASONS) | set(spec.reasons) | named
     if reason is None or reason in possible:
         return None

@@ -474,9 +474,8 @@ class _Target:
         harness = WorkflowHarness(workflow)
         spec = harness.spec
         limits = {} if spec.limits.max_iterations else {"max_iterations": UNBOUNDED_ITERATIONS}
-        reasons = {t.reason for t in spec.transitions if t.reason}
-        reasons |= {c.reason for c in spec.catch_edges() if c.reason}
-        reasons |= {str(r) for r in TerminationReason} | set(spec.reasons)
+        reasons = set(spec.edge_reasons()) | {str(r) for r in TerminationReason}
+        reasons |= set(spec.reasons)
         return cls(harness, compile_workflow(spec), limits, frozenset(reasons))
 
 

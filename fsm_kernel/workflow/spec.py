@@ -1031,6 +1031,13 @@ class WorkflowSpec(_Model):
                 edges.append(CatchEdge(index, sid, position, entry))
         return edges
 
+    def edge_reasons(self) -> list[str]:
+        """The termination reasons the declared transitions and `catch:` entries end runs
+        with, in file order, each once."""
+        named = [t.reason for t in self.transitions if t.reason]
+        named += [c.reason for c in self.catch_edges() if c.reason]
+        return list(dict.fromkeys(str(r) for r in named))
+
     def catch_edge(self, index: int) -> CatchEdge | None:
         """The catch edge numbered `index`, or None (a declared transition, or no such edge)."""
         position = index - len(self.transitions)
