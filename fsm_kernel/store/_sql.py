@@ -120,8 +120,6 @@ class Dialect:
     commit_mode: Callable[[bool], str | None]
     """The statement that makes a transaction's commit wait for the disk (True) or not
     (False); None when nothing needs saying."""
-    commit_mode_first: bool
-    """Run commit_mode before the transaction (SQLite's PRAGMA) rather than in it."""
     keyed_events: bool
     """Events are keyed by (run_no << RUN_KEY_SHIFT) | seq (SQLite, schema v5) rather than by
     a (run_id, seq) primary key (PostgreSQL): the store numbers each run as it creates its row,
@@ -288,11 +286,11 @@ def _as_utc(ts: datetime) -> datetime:
     return ts.astimezone(UTC)
 
 
-def _sqlite_commit_mode(durable: bool) -> str:
-    # In WAL mode, FULL syncs the log at every commit; NORMAL commits to the log without a
-    # sync (the commit survives the process dying, not the machine), and the next FULL commit
-    # syncs everything logged before it.
-    return "PRAGMA synchronous = FULL" if durable else "PRAGMA synchronous = NORMAL"
+def _sqlite_commit_mode(durable: bool) -> None:
+    # The connection stays at one safety level (see sqlite.py's _configure): in WAL mode
+    # NORMAL, a commit written to the log without a sync, and a durable commit then syncs the
+    # log itself (SqliteEventStore._synced), sparing a PRAGMA before each change of mode.
+    return None
 
 
 def _postgres_commit_mode(durable: bool) -> str | None:
@@ -314,7 +312,6 @@ SQLITE = Dialect(
     to_db_ts=format_ts,
     from_db_ts=parse_ts,
     commit_mode=_sqlite_commit_mode,
-    commit_mode_first=True,  # "Safety level may not be changed inside a transaction"
     keyed_events=True,
 )
 
@@ -331,7 +328,6 @@ POSTGRES = Dialect(
     to_db_ts=_as_is,
     from_db_ts=_as_utc,
     commit_mode=_postgres_commit_mode,
-    commit_mode_first=False,  # SET LOCAL: this transaction only
     keyed_events=False,
 )
 
@@ -513,8 +509,6 @@ class SqlEventStore:
     _run_nos: dict[str, int | None]
     """The runs whose `runs` row this store has written (it exists: rows are never deleted),
     each with its number (keyed_events; None otherwise), which never changes."""
-    _mode_set: bool | None
-    """The durability the connection's commit mode was last set to (commit_mode_first)."""
 
     def _live(self) -> Executor:
         """The open shared connection (called with the lock held); StoreError when closed."""
@@ -655,12 +649,8 @@ class SqlEventStore:
         d = self._dialect
         durable = any(job.durable for job in group)
         mode = d.commit_mode(durable)
-        if mode is not None and d.commit_mode_first and self._mode_set is not durable:
-            self._mode_set = None  # unknown until the statement succeeds
-            self._live().execute(mode)
-            self._mode_set = durable
         with self._transaction() as cur:
-            if mode is not None and not d.commit_mode_first:
+            if mode is not None:  # SET LOCAL: this transaction only
                 cur.execute(mode)
             if len(group) == 1:
                 self._insert(cur, group[0])
@@ -674,11 +664,17 @@ class SqlEventStore:
                         job.error = self._conflict(job.batch)
                         job.error.__cause__ = exc
                     cur.execute("RELEASE SAVEPOINT batch")
+        if durable:
+            self._synced()
         for job in group:
             if job.error is None:
                 for _, delta in job.runs:
                     self._run_nos.setdefault(delta.run_id, None)
                 self._run_nos.update(job.run_nos)
+
+    def _synced(self) -> None:
+        """After a durable commit: whatever else it takes for the commit to be on disk (the
+        commit itself did, when commit_mode says so)."""
 
     def _insert(self, cur: BatchExecutor, job: PendingAppend) -> None:
         d = self._dialect
@@ -824,7 +820,6 @@ class SqlEventStore:
         self._queue_lock = threading.Lock()
         self._queue: list[PendingAppend] = []
         self._run_nos: dict[str, int | None] = {}
-        self._mode_set: bool | None = None
         try:
             self._check_schema() if read_only else self._migrate()
         except BaseException:

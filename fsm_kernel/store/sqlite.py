@@ -44,10 +44,10 @@ CHECKPOINT_EVERY commits of a lone run (about 7 KiB each), so no commit grows th
 class SqliteEventStore(SqlEventStore):
     """Append-only event log in one SQLite file, safe for threads and for several processes.
 
-    Every append is one `BEGIN IMMEDIATE` transaction committed with `synchronous=FULL`, so
+    Every append is one `BEGIN IMMEDIATE` transaction whose WAL is synced after it commits, so
     events are on disk when `append` returns, unless it is called with `durable=False`: then
-    the commit (`synchronous=NORMAL`) survives the process dying but reaches the disk with the
-    next durable commit. Appends from several threads at once share one transaction and one
+    the commit survives the process dying but reaches the disk with the next durable commit's
+    sync. Appends from several threads at once share one transaction and one
     sync (see SqlEventStore.append). `path` may be ":memory:" for a throwaway store.
 
     With `read_only=True` the file is opened read-only (`mode=ro`) for readers such as the
@@ -75,6 +75,8 @@ class SqliteEventStore(SqlEventStore):
         self._impatient = False
         """busy_timeout is 0 (left so by append_if_idle: `_live` restores it for anything else)."""
         self._idle_commit = False
+        self._wal_fd: int | None = None
+        """The WAL, opened at the first durable commit to sync it (see `_synced`)."""
         self.read_only = read_only
         connect = _connect_read_only if read_only else _connect
         self._conn: sqlite3.Connection | None = connect(self.path, busy_timeout)
@@ -163,6 +165,29 @@ class SqliteEventStore(SqlEventStore):
             except sqlite3.Error as exc:  # the commit stands; the next checkpoint retries
                 logger.warning("%s: checkpoint failed: %s", self.path, exc)
 
+    def _synced(self) -> None:
+        """Sync the WAL after a durable commit: the connection commits without syncing in WAL
+        mode (see `_configure`), so this is what puts the commit, and every relaxed one before
+        it, on disk, as `synchronous=FULL` would, without switching the connection's mode
+        before and after each one. Its own descriptor: SQLite holds no lock on the WAL file
+        that closing it could drop (its WAL locks are on the -shm file), and the WAL stays
+        the same file while a connection is open (SQLite removes it when the last one
+        closes)."""
+        fd = self._wal_fd
+        if fd is None:
+            conn = self._conn
+            if conn is None or not self._in_wal_mode(conn):
+                return  # synchronous=FULL (see _configure): the commit synced itself
+            wal = self.path.with_name(self.path.name + "-wal")
+            try:
+                fd = self._wal_fd = os.open(wal, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot open the WAL to sync it: {exc}") from exc
+        try:
+            _datasync(fd)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: append not synced to disk: {exc}") from exc
+
     def _presize_wal(self) -> None:
         """Extend the WAL file with zeros to WAL_PRESIZE bytes, and sync them, once before the
         store's first commit: until the first checkpoint lets SQLite start the WAL over, each
@@ -211,8 +236,11 @@ class SqliteEventStore(SqlEventStore):
         """Close the connection (idempotent)."""
         with self._lock:
             conn, self._conn = self._conn, None
+            fd, self._wal_fd = self._wal_fd, None
         if conn is not None:
             conn.close()
+        if fd is not None:
+            os.close(fd)
 
     def _live(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -321,10 +349,12 @@ def _configure(conn: sqlite3.Connection, path: Path, busy_timeout: float) -> Non
     mode = enable_wal(conn)
     if mode != "wal" and str(path) != ":memory:":
         logger.warning("%s: journal_mode is %s, not wal (unsupported filesystem?)", path, mode)
-    # FULL: a commit is fsynced to the WAL before COMMIT returns, so a crash or power loss
-    # right after append() cannot lose the events (NORMAL only survives process crashes);
-    # append(durable=False) switches to NORMAL for its commit.
-    conn.execute("PRAGMA synchronous = FULL")
+    # In WAL mode NORMAL: a commit goes to the WAL without a sync (it survives the process
+    # dying, and SQLite keeps the file consistent whatever happens), and a durable append
+    # then syncs the WAL itself (SqliteEventStore._synced), as FULL would at every commit, so
+    # a crash or power loss right after it cannot lose the events. Elsewhere (a filesystem
+    # without WAL, an in-memory database) FULL: every commit syncs.
+    conn.execute("PRAGMA synchronous = NORMAL" if mode == "wal" else "PRAGMA synchronous = FULL")
     conn.execute("PRAGMA wal_autocheckpoint = 0")  # SqliteEventStore._commit checkpoints
 
 
@@ -353,6 +383,10 @@ def _extend_with_zeros(path: Path, size: int) -> None:
         os.fsync(fd)  # the new size too (fdatasync would as well, but macOS lacks it)
     finally:
         os.close(fd)
+
+
+_datasync = getattr(os, "fdatasync", os.fsync)
+"""Data (and the size) to disk; macOS has no fdatasync."""
 
 
 def _is_busy(exc: BaseException | None) -> bool:

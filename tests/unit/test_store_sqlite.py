@@ -4,6 +4,7 @@ the runs row left alone by bookkeeping batches."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -57,14 +58,57 @@ def traced(store: SqliteEventStore) -> list[str]:
     return statements
 
 
-def test_a_relaxed_commit_does_not_sync_and_a_durable_one_does(store: SqliteEventStore) -> None:
-    statements = traced(store)
+def syncs_of(store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each sync the store makes, as the name of the file synced, and each
+    statement (as "SQL")."""
+    log = traced(store)
+    real = sqlite_module._datasync
+
+    def datasync(fd: int) -> None:
+        synced = os.fstat(fd).st_ino
+        names = [p.name for p in store.path.parent.iterdir() if p.stat().st_ino == synced]
+        log.append(f"sync {names[0]}")
+        real(fd)
+
+    monkeypatch.setattr(sqlite_module, "_datasync", datasync)
+    return log
+
+
+def test_a_relaxed_commit_does_not_sync_and_a_durable_one_syncs_the_wal_after_it(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert store._conn is not None
+    assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL, for good
+    log = syncs_of(store, monkeypatch)
     store.append([ev(2)], durable=False)
     store.append([ev(3)], durable=False)
+    assert not [s for s in log if s.startswith("sync")]
+    del log[:]
     store.append([ev(4)])
-    modes = [s for s in statements if s.startswith("PRAGMA synchronous")]
-    assert modes == ["PRAGMA synchronous = NORMAL", "PRAGMA synchronous = FULL"]  # on change
+    assert log[-2:] == ["COMMIT", "sync runs.db-wal"]  # what was committed is on disk
+    assert not [s for s in log if "synchronous" in s]  # no mode switched back and forth
     assert [e.seq for e in store.read("r")] == [1, 2, 3, 4]
+
+
+def test_a_failed_sync_fails_the_append(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(sqlite_module, "_datasync", broken)
+    store.append([ev(2)], durable=False)  # no sync: fine
+    with pytest.raises(StoreError, match=r"runs\.db: append not synced to disk: .*Input/output"):
+        store.append([ev(3)])
+
+
+def test_a_store_without_wal_syncs_every_commit_itself(tmp_path: Path) -> None:
+    with SqliteEventStore(":memory:") as store:
+        assert store._conn is not None
+        assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        store.append([ev(1, EventType.RUN_STARTED)])
+        assert store._wal_fd is None  # nothing of its own to sync
+        assert len(store.read("r")) == 1
 
 
 def test_append_if_idle_commits_on_the_calling_thread(
@@ -72,7 +116,7 @@ def test_append_if_idle_commits_on_the_calling_thread(
 ) -> None:
     statements = traced(store)
     assert store.append_if_idle([ev(2)]) is True
-    assert "PRAGMA synchronous = NORMAL" in statements
+    assert statements[-1] == "COMMIT"
     with SqliteEventStore(tmp_path / "runs.db") as other:  # committed: another reader sees it
         assert [e.seq for e in other.read("r")] == [1, 2]
     assert store.append_if_idle([]) is True
@@ -218,7 +262,7 @@ def test_a_durable_idle_append_waits_until_the_disk_is_known_to_be_fast(
     store._sync_cost.average = INLINE_SYNC_MAX / 2
     del statements[:]
     assert store.append_if_idle([ev(3)], durable=True) is True
-    assert "PRAGMA synchronous = NORMAL" not in statements  # it stayed a syncing commit
+    assert statements[-1] == "COMMIT"
     assert store._sync_cost.average != INLINE_SYNC_MAX / 2  # timed too
     store._sync_cost.average = INLINE_SYNC_MAX * 2  # a slow disk: back to a thread
     assert store.append_if_idle([ev(4)], durable=True) is False
@@ -226,13 +270,14 @@ def test_a_durable_idle_append_waits_until_the_disk_is_known_to_be_fast(
     assert [e.seq for e in store.read("r")] == [1, 2, 3, 4]
 
 
-def test_a_durable_idle_commit_syncs(store: SqliteEventStore) -> None:
-    store.append([ev(2)], durable=False)  # the connection now commits without syncing
+def test_a_durable_idle_commit_syncs(
+    store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.append([ev(2)], durable=False)
     store._sync_cost.average = 0.0
-    statements = traced(store)
+    log = syncs_of(store, monkeypatch)
     assert store.append_if_idle([ev(3)], durable=True) is True
-    assert "PRAGMA synchronous = FULL" in statements
-    assert statements.index("PRAGMA synchronous = FULL") < statements.index("COMMIT")
+    assert log[-2:] == ["COMMIT", "sync runs.db-wal"]
 
 
 def test_a_durable_idle_append_leaves_a_due_checkpoint_to_a_thread(
