@@ -35,7 +35,7 @@ from fsm_kernel.workflow.children import CallPool, draw_on
 from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
 from fsm_kernel.workflow.migrations import Translation, translation_between
-from fsm_kernel.workflow.spec import WorkflowSpec
+from fsm_kernel.workflow.spec import WorkflowSpec, edge_number
 
 __all__ = [
     "Divergence",
@@ -315,7 +315,7 @@ def _one_sided_edge(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None
 
 
 def _edge(tried: Mapping[str, Any]) -> str:
-    return f"edge {tried.get('edge')} → {tried.get('target')}"
+    return f"edge {edge_number(tried.get('edge'))} → {tried.get('target')}"
 
 
 def _check(check: tuple[str, bool]) -> str:

@@ -455,6 +455,8 @@ def _why_steps(events: list[Event]) -> list[dict[str, Any]]:
 
 
 def _print_why(steps: list[dict[str, Any]]) -> None:
+    from fsm_kernel.workflow.spec import edge_number
+
     print("\nwhy each transition fired: the edges each step tried, in order")
     print("(✗ passed over: the check that was false; ✓ taken: its checks)")
     for step in steps:
@@ -465,7 +467,7 @@ def _print_why(steps: list[dict[str, Any]]) -> None:
         if step["tried"] is None:
             print("    (not recorded: the run was recorded before fsm-kernel kept why)")
             continue
-        edges = [f"edge {t.get('edge')} → {t.get('target')}" for t in step["tried"]]
+        edges = [f"edge {edge_number(t.get('edge'))} → {t.get('target')}" for t in step["tried"]]
         width = max(map(len, edges), default=0)
         for edge, tried in zip(edges, step["tried"], strict=True):
             mark = "✓" if tried.get("passed") else "✗"

@@ -65,7 +65,7 @@ from fsm_kernel.workflow.compiler import CompiledWorkflow, Waits, compile_workfl
 from fsm_kernel.workflow.decide import CHOOSE
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
 from fsm_kernel.workflow.loader import find_workflow, load_workflow
-from fsm_kernel.workflow.spec import TerminationReason, WorkflowSpec
+from fsm_kernel.workflow.spec import TerminationReason, WorkflowSpec, edge_number
 
 __all__ = [
     "DEFAULT_EXAMPLES",
@@ -600,7 +600,7 @@ _RENDER: dict[EventType, Callable[[Mapping[str, Any]], str]] = {
     EventType.TOOL_FINISHED: _tool_line,
     EventType.HUMAN_ANSWERED: lambda d: _answer_line(d),
     EventType.EVENT_DELIVERED: lambda d: f"event {d.get('name')} arrives, data {_args(d, 'data')}",
-    EventType.TIMER_FIRED: lambda d: f"the timer of edge {d.get('edge')} fires",
+    EventType.TIMER_FIRED: lambda d: f"the timer of edge {edge_number(d.get('edge'))} fires",
     EventType.CHILD_STARTED: lambda d: f"child run of {d.get('workflow')}:",
     EventType.TRANSITION_TAKEN: _transition_line,
     EventType.RUN_TERMINATED: _ended_line,

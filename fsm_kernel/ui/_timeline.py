@@ -16,6 +16,7 @@ from typing import Any
 
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.store import RUN_SUSPENDED, tokens_of
+from fsm_kernel.workflow.spec import edge_number
 
 __all__ = ["MAX_TEXT", "Entry", "Section", "Timeline", "build_timeline", "clip", "pretty"]
 
@@ -232,6 +233,7 @@ def _why_row(tried: dict[str, Any]) -> dict[str, Any]:
     decided = checks if passed else [c for c in checks if not c.get("value")][:1] or checks
     return {
         "edge": tried.get("edge"),
+        "number": edge_number(tried.get("edge")),
         "target": tried.get("target"),
         "passed": passed,
         "checks": [{"check": str(c.get("check")), "value": bool(c.get("value"))} for c in decided],

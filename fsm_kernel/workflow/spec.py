@@ -48,6 +48,7 @@ __all__ = [
     "TransitionSpec",
     "WorkflowSpec",
     "as_reason",
+    "edge_number",
     "parse_duration",
 ]
 
@@ -101,6 +102,14 @@ SUCCESS_REASONS = frozenset({TerminationReason.FINAL_ANSWER, TerminationReason.D
 (`reasons:` with `success: true`, see `WorkflowSpec.is_success`). A run about to end with a
 success reason while the last model reply was cut off by the length limit ends `truncated`
 instead (the kernel's rule)."""
+
+
+def edge_number(index: object) -> object:
+    """How an edge recorded by its index (`tried`, timers) is shown to people: its 1-based
+    place in the workflow's `transitions:` (the catch edges counted after them), the number
+    the diagrams print beside it; anything but an index (a hand-edited log) as it is. The
+    log and JSON output keep the index itself."""
+    return index + 1 if isinstance(index, int) and not isinstance(index, bool) else index
 
 
 def as_reason(name: str) -> TerminationReason | str:

@@ -30,6 +30,7 @@ from fsm_kernel.workflow.compiler import FiredTransition, Machine, Waits
 from fsm_kernel.workflow.context import RunContext
 from fsm_kernel.workflow.deadlines import Deadline
 from fsm_kernel.workflow.human import HumanAnswer, Question, Suspended
+from fsm_kernel.workflow.spec import edge_number
 
 __all__ = ["AWAIT_IN_PROCESS", "Record", "Timer", "advance_past_deadline", "wait_and_advance"]
 
@@ -168,7 +169,7 @@ def _take(
     if answer.timer is not None:
         timer = next((t for t in timers if t.edge == answer.timer), None)
         if timer is None:
-            raise AnswerError(f"no timer of edge {answer.timer} waits here")
+            raise AnswerError(f"no timer of edge {edge_number(answer.timer)} waits here")
         record(EventType.TIMER_FIRED, {"edge": timer.edge, "due": timer.due.isoformat()})
         return ("timer", timer.edge)
     name = str(answer.event)

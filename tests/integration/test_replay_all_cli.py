@@ -119,7 +119,7 @@ def test_replay_all_catches_a_real_regression(
     # With the checks each step tried recorded (transition.taken's `tried`), the guard the
     # edit added is named; a log without them names the two transitions alone.
     decided_by = (
-        "done_called: false on edge 1 → act (the recorded run did not check it)"
+        "done_called: false on edge 2 → act (the recorded run did not check it)"
         if _records_tried(store, tool_run)
         else "recorded think → act [has_tool_calls], replayed think → answer (no checks "
         "recorded to compare)"

@@ -99,25 +99,25 @@ def test_runs_show_why_lists_each_steps_edges_and_the_check_that_decided(
         "why each transition fired: the edges each step tried, in order",
         "(✗ passed over: the check that was false; ✓ taken: its checks)",
         "  step 1  observe → think",
-        "    ✓ edge 0 → think  (no condition)",
+        "    ✓ edge 1 → think  (no condition)",
         "  step 2  think → act [has_tool_calls]  (iteration 1)",
-        "    ✓ edge 1 → act  has_tool_calls: true",
+        "    ✓ edge 2 → act  has_tool_calls: true",
         "  step 3  act → evaluate  (iteration 1)",
-        "    ✓ edge 5 → evaluate  (no condition)",
+        "    ✓ edge 6 → evaluate  (no condition)",
         "  step 4  evaluate → observe  (iteration 1)",
-        "    ✗ edge 6 → terminate   done_called: false",
-        "    ✗ edge 7 → terminate   fatal_tool_error: false",
-        "    ✗ edge 8 → terminate   tool_failures: false",
-        "    ✗ edge 9 → terminate   no_progress: false",
-        "    ✗ edge 10 → terminate  iteration_limit: false",
-        "    ✓ edge 11 → observe    (no condition)",
+        "    ✗ edge 7 → terminate   done_called: false",
+        "    ✗ edge 8 → terminate   fatal_tool_error: false",
+        "    ✗ edge 9 → terminate   tool_failures: false",
+        "    ✗ edge 10 → terminate  no_progress: false",
+        "    ✗ edge 11 → terminate  iteration_limit: false",
+        "    ✓ edge 12 → observe    (no condition)",
         "  step 5  observe → think  (iteration 1)",
-        "    ✓ edge 0 → think  (no condition)",
+        "    ✓ edge 1 → think  (no condition)",
         "  step 6  think → terminate → final_answer  (iteration 2)",
-        "    ✗ edge 1 → act        has_tool_calls: false",
-        "    ✗ edge 2 → think      malformed_output: false",
-        "    ✗ edge 3 → terminate  malformed_output: false",
-        "    ✓ edge 4 → terminate  (no condition)",
+        "    ✗ edge 2 → act        has_tool_calls: false",
+        "    ✗ edge 3 → think      malformed_output: false",
+        "    ✗ edge 4 → terminate  malformed_output: false",
+        "    ✓ edge 5 → terminate  (no condition)",
     ]
     assert "termination audit:" in shown.out  # the rest of runs show is still there
     plain = cli(capsys, "runs", "show", run_id, "--store", store)
@@ -162,14 +162,14 @@ def test_why_shows_a_compound_states_edges_tried_before_the_childs(
 
     assert section[2:6] == [
         "  step 1  research.think → research.act [has_tool_calls]  (iteration 1)",
-        "    ✗ edge 0 → terminate  tool_failed: false",
-        "    ✗ edge 4 → report     completed: false",
-        "    ✓ edge 1 → act        has_tool_calls: true",
+        "    ✗ edge 1 → terminate  tool_failed: false",
+        "    ✗ edge 5 → report     completed: false",
+        "    ✓ edge 2 → act        has_tool_calls: true",
     ]
     found = section.index("  step 4  research.found → report [completed]  (iteration 2)")
     assert section[found + 1 : found + 3] == [
-        "    ✗ edge 0 → terminate  tool_failed: false",
-        "    ✓ edge 4 → report     completed: true",
+        "    ✗ edge 1 → terminate  tool_failed: false",
+        "    ✓ edge 5 → report     completed: true",
     ]
 
 
@@ -189,7 +189,7 @@ def test_why_shows_the_event_that_woke_a_waiting_run_after_signal(
     section = _why_section(cli(capsys, "runs", "show", run_id, "--store", store, "--why").out)
     assert section[4:7] == [
         "  step 2  wait_for_ci → deploy [event ci_passed]  (iteration 1)",
-        "    ✓ edge 1 → deploy  event ci_passed: true",
+        "    ✓ edge 2 → deploy  event ci_passed: true",
         "  step 3  deploy → done → final_answer  (iteration 2)",
     ]
 

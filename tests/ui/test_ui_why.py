@@ -81,22 +81,22 @@ def test_each_transition_has_a_why_line_with_the_edges_tried(
 
     whys = _whys(html)
     assert len(whys) == 6  # one per transition
-    assert whys[1] == ["why · 1 edge tried", "✓ edge 1 → act: has_tool_calls true"]
+    assert whys[1] == ["why · 1 edge tried", "✓ edge 2 → act: has_tool_calls true"]
     assert whys[3] == [
         "why · 6 edges tried",
-        "✗ edge 6 → terminate: done_called false",
-        "✗ edge 7 → terminate: fatal_tool_error false",
-        "✗ edge 8 → terminate: tool_failures false",
-        "✗ edge 9 → terminate: no_progress false",
-        "✗ edge 10 → terminate: iteration_limit false",
-        "✓ edge 11 → observe: no condition",
+        "✗ edge 7 → terminate: done_called false",
+        "✗ edge 8 → terminate: fatal_tool_error false",
+        "✗ edge 9 → terminate: tool_failures false",
+        "✗ edge 10 → terminate: no_progress false",
+        "✗ edge 11 → terminate: iteration_limit false",
+        "✓ edge 12 → observe: no condition",
     ]
     assert whys[5] == [
         "why · 4 edges tried",
-        "✗ edge 1 → act: has_tool_calls false",
-        "✗ edge 2 → think: malformed_output false",
-        "✗ edge 3 → terminate: malformed_output false",
-        "✓ edge 4 → terminate: no condition",
+        "✗ edge 2 → act: has_tool_calls false",
+        "✗ edge 3 → think: malformed_output false",
+        "✗ edge 4 → terminate: malformed_output false",
+        "✓ edge 5 → terminate: no condition",
     ]
     seqs = [e.seq for e in run.events if e.type is EventType.TRANSITION_TAKEN]
     for seq in seqs:  # kept open across the page's live refresh, like the other details
@@ -113,11 +113,11 @@ def test_a_when_label_is_escaped_and_its_value_shown(
     html = _page(base_url(serve(store=str(store))), run.run_id)
 
     assert _whys(html) == [
-        ["why · 1 edge tried", "✓ edge 0 → think: when: vars.attempts < 2 true"],
+        ["why · 1 edge tried", "✓ edge 1 → think: when: vars.attempts < 2 true"],
         [
             "why · 2 edges tried",
-            "✗ edge 0 → think: when: vars.attempts < 2 false",
-            "✓ edge 1 → done: no condition",
+            "✗ edge 1 → think: when: vars.attempts < 2 false",
+            "✓ edge 2 → done: no condition",
         ],
     ]
     assert "<code>when: vars.attempts &lt; 2</code>" in html

@@ -76,7 +76,7 @@ def test_a_check_with_another_value_is_named_with_its_edge() -> None:
     replayed = _taken("evaluate", "terminate", tried=[_edge(6, "terminate", ("done_called", True))])
 
     assert decided_differently(recorded, replayed) == (
-        "done_called on edge 6 → terminate: false in the recorded run, true now"
+        "done_called on edge 7 → terminate: false in the recorded run, true now"
     )
 
 
@@ -92,7 +92,7 @@ def test_a_check_the_edit_added_is_named() -> None:
     )
 
     assert decided_differently(recorded, replayed) == (
-        "done_called: false on edge 1 → act (the recorded run did not check it)"
+        "done_called: false on edge 2 → act (the recorded run did not check it)"
     )
 
 
@@ -105,7 +105,7 @@ def test_a_changed_expression_is_named_with_both_labels() -> None:
     )
 
     assert decided_differently(recorded, replayed) == (
-        "edge 2 → retry: the recorded run checked when: vars.n < 3: true, the replay "
+        "edge 3 → retry: the recorded run checked when: vars.n < 3: true, the replay "
         "when: vars.n < 2: false"
     )
 
@@ -119,7 +119,7 @@ def test_a_check_the_edit_removed_is_named() -> None:
     replayed = _taken("think", "act", tried=[_edge(1, "act", ("has_tool_calls", True))])
 
     assert decided_differently(recorded, replayed) == (
-        "edge 1 → act: the recorded run also checked done_called: false, the replay did not"
+        "edge 2 → act: the recorded run also checked done_called: false, the replay did not"
     )
 
 
@@ -128,7 +128,7 @@ def test_edges_tried_in_another_order_are_named() -> None:
     replayed = _taken("think", "answer", tried=[_edge(2, "answer", ("has_answer", True))])
 
     assert decided_differently(recorded, replayed) == (
-        "the edge tried: the recorded run tried edge 1 → act where the replay tried edge 2 → answer"
+        "the edge tried: the recorded run tried edge 2 → act where the replay tried edge 3 → answer"
     )
 
 
@@ -141,7 +141,7 @@ def test_an_edge_only_one_side_reached_is_named() -> None:
     )
 
     assert decided_differently(recorded, replayed) == (
-        "edge 4 → answer: the replay tried it too, the recorded run stopped before"
+        "edge 5 → answer: the replay tried it too, the recorded run stopped before"
     )
 
 
@@ -199,7 +199,7 @@ def test_the_runs_own_step_comes_first_with_the_check_that_decided() -> None:
     assert (found.run_id, found.step, found.recorded, found.replayed) == ("r1", 2, "b → c", "b → d")
     assert found.by_check
     assert found.line() == (
-        "at step 2 (iteration 2): recorded b → c, replay took b → d; decided by g on edge 1 → c: "
+        "at step 2 (iteration 2): recorded b → c, replay took b → d; decided by g on edge 2 → c: "
         "true in the recorded run, false now"
     )
 
@@ -352,3 +352,20 @@ def test_stored_runs_pages_through_the_store_newest_first_down_to_since(
 
     assert every == ["run-4", "run-3", "run-2", "run-1", "run-0"]
     assert recent == ["run-4", "run-3", "run-2"]
+
+
+def test_an_edge_is_shown_with_the_number_its_diagram_label_has() -> None:
+    from fsm_kernel.diagram import edge_label
+    from fsm_kernel.workflow.loader import load_workflow
+    from fsm_kernel.workflow.spec import edge_number
+
+    spec = load_workflow(Path(__file__).parents[2] / "workflows" / "default.yaml")
+    for index in range(len(spec.transitions)):
+        label = edge_label(spec, index)
+        if label[:1].isdigit():  # a state's only edge has no number on the diagram
+            assert label.startswith(f"{edge_number(index)}. "), (index, label)
+    assert edge_number(0) == 1
+    assert edge_number(11) == 12
+    assert edge_number(None) is None  # a hand-edited log: shown as it is
+    assert edge_number("x") == "x"
+    assert edge_number(True) is True  # not an index
