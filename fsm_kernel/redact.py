@@ -35,6 +35,7 @@ __all__ = [
     "REDACTED",
     "REPLACEMENT",
     "Redacted",
+    "SharedData",
     "StreamRedactor",
     "encodable",
     "find_lone_surrogate",
@@ -359,9 +360,22 @@ class Redacted:
     def get(self) -> Any:
         generation = _generation  # read first: a secret registered meanwhile redoes it
         if self._generation != generation:
-            self._redacted = redact_data(self.value)
+            redacted = redact_data(self.value)
+            self._redacted = SharedData(redacted) if type(redacted) is dict else redacted
             self._generation = generation
         return self._redacted
+
+
+class SharedData(dict[str, Any]):
+    """The data of events that share it (a `Redacted`'s value): a dict that never changes, so
+    a store encodes it once (`encoded`, filled in by the first store that encodes it) rather
+    than at every event that holds it."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        super().__init__(value)
+        self.encoded: str | None = None
 
 
 def redact_lines(lines: Iterable[str]) -> Iterable[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fsm_kernel.errors import RunNotFoundError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventType, RunSummary
+from fsm_kernel.redact import SharedData
 
 __all__ = [
     "AMBIGUOUS_SHOWN",
@@ -294,9 +295,16 @@ _ENCODER = json.JSONEncoder(
 
 
 def encode_data(event: Event) -> str:
-    """The event's data as compact JSON; StoreError when it is not plain JSON."""
+    """The event's data as compact JSON; StoreError when it is not plain JSON. Data shared by
+    many events (SharedData: a transition decided before, say) is encoded once."""
+    data = event.data
     try:
-        return _ENCODER.encode(event.data)
+        if type(data) is SharedData:
+            encoded = data.encoded
+            if encoded is None:
+                encoded = data.encoded = _ENCODER.encode(data)
+            return encoded
+        return _ENCODER.encode(data)
     except (TypeError, ValueError) as exc:
         raise StoreError(
             f"event {event.run_id}#{event.seq} ({event.type}): data is not plain JSON: {exc}"

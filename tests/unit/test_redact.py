@@ -196,17 +196,22 @@ def test_subclasses_of_str_dict_and_list_are_walked_like_the_plain_types() -> No
 
 
 def test_a_redacted_value_is_redacted_once_and_again_after_a_secret_is_registered() -> None:
-    from fsm_kernel.redact import Redacted
+    from fsm_kernel.redact import Redacted, SharedData
 
     data = {"target": "vault-7781", "tried": [{"check": "ok", "value": True}]}
     once = Redacted(data)
 
-    assert once.get() is data  # nothing to redact: the value itself
-    assert once.get() is data
+    first = once.get()
+    assert first == data  # nothing to redact
+    assert type(first) is SharedData  # shared by the events that hold it: encoded once
+    assert once.get() is first
 
     register_secret("vault-7781")
-    assert once.get() == {"target": REDACTED, "tried": [{"check": "ok", "value": True}]}
-    assert once.get() is once.get()  # computed once for this registry
+    again = once.get()
+    assert again == {"target": REDACTED, "tried": [{"check": "ok", "value": True}]}
+    assert type(again) is SharedData
+    assert again.encoded is None  # a new value: nothing encoded from the old one
+    assert once.get() is again  # computed once for this registry
     assert data["target"] == "vault-7781"
 
 

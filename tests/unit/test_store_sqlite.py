@@ -755,3 +755,24 @@ def test_a_read_only_open_gives_only_a_scheduler_database_the_event_schema(
         open_store(foreign, read_only=True)
     tables = sqlite3.connect(foreign).execute("SELECT name FROM sqlite_master").fetchall()
     assert sorted(tables) == [("scheduler_ticks",), ("users",)]
+
+
+def test_data_shared_by_events_is_encoded_once_and_stored_like_any_other(
+    store: SqliteEventStore,
+) -> None:
+    from fsm_kernel.redact import Redacted, SharedData, register_secret
+    from fsm_kernel.store._schema import encode_data
+
+    shared = Redacted({"target": "act", "key": "tok-5521-secret", "n": [1, 2]})
+    first = shared.get()
+    store.append([ev(2, data=first), ev(3, data=first)])
+    assert isinstance(first, SharedData)
+    assert first.encoded == '{"key":"tok-5521-secret","n":[1,2],"target":"act"}'
+    first.encoded = '{"cached":true}'  # what a second encoding of it would now write
+    assert encode_data(ev(4, data=first)) == '{"cached":true}'
+
+    register_secret("tok-5521-secret")  # a new value, encoded anew: the secret never leaks
+    store.append([ev(5, data=shared.get())])
+    stored = {e.seq: e.data for e in store.read("r")}
+    assert stored[2] == stored[3] == {"key": "tok-5521-secret", "n": [1, 2], "target": "act"}
+    assert stored[5] == {"key": "[REDACTED]", "n": [1, 2], "target": "act"}
