@@ -749,6 +749,37 @@ def test_cancelling_the_task_ends_the_run_as_cancelled(tmp_path: Path) -> None:
     assert_log_shape(result)
 
 
+def test_a_cancelled_run_leaves_its_task_free_to_go_on(tmp_path: Path) -> None:
+    """The kernel takes the cancellation it turned into the `cancelled` ending off the task
+    (uncancel): the caller's code after `run` in the same task, a timeout say, works as if
+    no cancel had come."""
+
+    async def scenario() -> tuple[RunResult, int, str]:
+        hang = Hang()
+        model = ScriptedModel([hang])
+        kernel = make_kernel(model, tmp_path)
+
+        async def caller() -> tuple[RunResult, int, str]:
+            result = await kernel.run("What time is it?")
+            me = asyncio.current_task()
+            assert me is not None
+            pending = me.cancelling()
+            async with asyncio.timeout(5):  # a task still marked cancelling would misread it
+                await asyncio.sleep(0)
+            return result, pending, "went on"
+
+        task = asyncio.create_task(caller())
+        await hang.entered.wait()
+        task.cancel()
+        return await task
+
+    result, pending, after = asyncio.run(scenario())
+
+    assert result.termination_reason == "cancelled"
+    assert pending == 0
+    assert after == "went on"
+
+
 def test_timeout_ends_a_run_whose_model_hangs(tmp_path: Path) -> None:
     async def scenario() -> RunResult:
         model = ScriptedModel([Hang()])
@@ -776,6 +807,31 @@ def test_a_raising_action_ends_the_run_as_error_with_one_line(tmp_path: Path) ->
     assert "\n" not in result.error
     assert result.iterations == 1
     assert_log_shape(result)
+
+
+def test_a_kernel_error_inside_the_loop_ends_the_run_with_its_own_message(
+    tmp_path: Path,
+) -> None:
+    """An FsmKernelError says what is wrong in words for the user: the run ends `error` with
+    that text as it is, not the one-line traceback summary a buggy action gets."""
+    kernel = Kernel(
+        compile_workflow(default_spec()),
+        model=None,
+        tools=builtin_registry(tmp_path),
+        system_prompt="be brief",
+    )
+
+    result = run(kernel)
+
+    assert result.termination_reason == "error"
+    assert result.error == "agent.think needs a model, but the run has none"
+    assert result.events[-1].type is EventType.RUN_TERMINATED
+    assert result.events[-1].data == {
+        "reason": "error",
+        "error": result.error,
+        "answer": "",
+        "iterations": 0,
+    }  # not resumable: no "resumable" key
 
 
 def test_an_action_error_with_a_multiline_message_is_reported_on_one_line(
