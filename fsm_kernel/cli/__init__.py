@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -154,23 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever sys.stderr is at the time (tests swap it)."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value: Any) -> None:
-        pass
-
-
 @contextmanager
 def configure_logging(verbose: bool) -> Iterator[None]:
     """Log lines on stderr, each with the id of the run it belongs to; the previous logging
-    setup is restored afterwards (main() also runs in-process, from tests and scripts)."""
+    setup is restored afterwards (main() also runs in-process, from tests and scripts).
+    logging is imported here, not at the top: `fsm-kernel --help` never logs."""
+    import logging
+
     from fsm_kernel.kernel import current_run_id
+
+    class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+        """Writes to whatever sys.stderr is at the time (tests swap it)."""
+
+        @property
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value: Any) -> None:
+            pass
 
     class _RunIdFilter(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -258,6 +259,8 @@ def _failure(exc: Exception) -> tuple[str, int]:
     if isinstance(exc, FsmKernelError):
         return str(exc), EXIT_FAIL
     # a bug: one line, not a traceback, unless --debug
+    import logging
+
     logging.getLogger(__name__).debug("internal error", exc_info=True)
     return (
         f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",

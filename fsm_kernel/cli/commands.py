@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -257,6 +255,9 @@ def open_event_store(location: str | None) -> EventStore:
 
 async def run_cancellable(coro: Awaitable[RunResult]) -> RunResult:
     """Run a kernel coroutine so Ctrl-C cancels it (recorded as `cancelled`), not kills it."""
+    import asyncio
+    import signal
+
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     try:
@@ -283,6 +284,8 @@ def agent_options(options: RunOptions) -> dict[str, Any]:
 def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResult]]) -> int:
     """Build the Agent from the flags (the same public API Python code uses), run
     `start(agent)` under Ctrl-C handling, print, exit code."""
+    import asyncio
+
     from fsm_kernel.api import Agent
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.cli import output
@@ -397,6 +400,8 @@ def _error_json(error: Any, path: str) -> dict[str, Any]:
 
 
 def cmd_tools(args: argparse.Namespace) -> int:
+    import asyncio
+
     from fsm_kernel.tools import builtin_registry
 
     if args.workflow is not None:

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 from fsm_kernel.errors import AnswerError
-from fsm_kernel.workflow.human import HumanAnswer
 
 __all__ = ["cmd_signal", "register"]
 
@@ -46,6 +45,7 @@ def register(sub: Any) -> None:
 
 def cmd_signal(args: argparse.Namespace) -> int:
     from fsm_kernel.cli.runs import continue_run
+    from fsm_kernel.workflow.human import HumanAnswer
 
     answer = HumanAnswer.signal(args.name, _data(args.data), by=args.by)
     return continue_run(args, lambda: answer)
