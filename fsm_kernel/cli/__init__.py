@@ -160,8 +160,6 @@ def configure_logging(verbose: bool) -> Iterator[None]:
     logging is imported here, not at the top: `fsm-kernel --help` never logs."""
     import logging
 
-    from fsm_kernel.kernel import current_run_id
-
     class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         """Writes to whatever sys.stderr is at the time (tests swap it)."""
 
@@ -175,6 +173,10 @@ def configure_logging(verbose: bool) -> Iterator[None]:
 
     class _RunIdFilter(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
+            # Imported at the first line logged: commands that run nothing (validate) never
+            # load the kernel for it.
+            from fsm_kernel.kernel import current_run_id
+
             record.run_id = current_run_id.get()
             return True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,26 @@ def test_the_probe_catches_a_heavy_import() -> None:
 
     assert codes == {"workflows --json": 0}
     assert {"fsm_kernel.bootstrap", "pydantic"} <= set(_heavy(added))
+
+
+def test_validate_loads_the_workflow_code_but_no_run_machinery() -> None:
+    """`validate` compiles the workflow as a run would, without building one: no model client
+    (httpx), kernel, recorder, replay or store; and a workflow without CEL expressions (the
+    stock default: named guards) does not load the expression engine either."""
+    default = str(Path(__file__).resolve().parents[2] / "workflows" / "default.yaml")
+
+    codes, added = _probe(["validate", default])
+
+    assert codes == {f"validate {default}": 0}
+    assert {"fsm_kernel.workflow.compiler", "pydantic", "statemachine", "yaml"} <= added
+    run_machinery = {
+        "celpy",
+        "httpx",
+        "fsm_kernel.agent",
+        "fsm_kernel.kernel",
+        "fsm_kernel.recorder",
+        "fsm_kernel.replay",
+        "fsm_kernel.store",
+        "sqlite3",
+    }
+    assert added & run_machinery == set()
