@@ -23,7 +23,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "chat",
-        help="talk with an agent in the terminal, each line a run continuing the last",
         description="Each line you type is a run of WORKFLOW that continues the conversation "
         "so far (recorded as such in the event log); its progress shows on stderr, its answer "
         "on stdout (streamed there as it comes when stdout is a terminal). !exit, Ctrl-D, or "

@@ -37,9 +37,7 @@ def register(sub: Any) -> None:
     """Add the event-log subcommands."""
     from fsm_kernel.cli.commands import add_resume_flags
 
-    runs = sub.add_parser(
-        "runs", help="inspect recorded runs (list, show, events, export, coverage)"
-    )
+    runs = sub.add_parser("runs")
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     p = rsub.add_parser(
         "list",
@@ -99,7 +97,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "resume",
-        help="continue a run that was killed, lost its model server, or waits for a person",
         description="Rebuild a run from its events and continue it live from the last "
         "recorded step, with the server, model, timeouts, workspace and limits the run "
         "recorded (a flag given here overrides one and is recorded); the model is not asked "
@@ -135,8 +132,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "replay",
-        help="re-run a recorded run (or every stored run: --all) from its log and compare "
-        "transitions",
         description="Re-run the workflow with every model answer and tool output "
         "served from the log (no network, no tool side effects). Exit 0 when it "
         "takes the same transitions, 1 with the first differing step named. --all does it "

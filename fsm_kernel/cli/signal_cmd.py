@@ -19,7 +19,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "signal",
-        help="deliver a named event to a run that waits for one, and continue it",
         description="Deliver the event NAME (with --data, any JSON value) to a run waiting in "
         "a state whose edges carry 'event: NAME', record it (event.delivered) and continue the "
         "run in this process from its log, as resume does. Refused (exit 2, nothing recorded) "

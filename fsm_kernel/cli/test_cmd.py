@@ -24,7 +24,6 @@ def register(sub: Any) -> None:
     """Add the `test` subcommand."""
     p = sub.add_parser(
         "test",
-        help="run workflow test files (*.test.yaml) without a model server; --generate one",
         description="Run every case of the given test files (folders: every *.test.yaml "
         "under them) through the real kernel with the model replies, tool results, answers, "
         "events and child outcomes each case scripts: no model server, no network. Exit 0 "

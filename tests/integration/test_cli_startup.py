@@ -3,18 +3,24 @@
 Start-up time is measured by benchmarks/compare.py (`--parts startup`), not here: timed
 assertions fail on a busy machine. These tests pin its cause instead: building and printing
 the parsers imports argparse, the CLI's own modules, errors and redaction, and nothing that
-only running a command needs (the event loop, logging, the models, the clients, the stores).
+only running a command needs (the event loop, logging, the models, the clients, the stores);
+`fsm-kernel --help` imports none of the command modules (fsm_kernel.cli.COMMANDS has its
+list), and a command's parser is the same whether it is built at once or when chosen.
 Each check runs in a fresh interpreter and counts only the modules that `main` added.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fsm_kernel.cli import COMMANDS, UsageError, build_parser
 
 HEAVY = (
     # the standard library's costlier corners, each needed by some command, not by its help
@@ -84,9 +90,6 @@ def _heavy(modules: set[str]) -> list[str]:
 
 def _commands() -> list[list[str]]:
     """Every command path the parser knows (`run`, `runs list`, `schedule worker`...)."""
-    import argparse
-
-    from fsm_kernel.cli import build_parser
 
     def walk(parser: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
         found = [path] if path else []
@@ -99,12 +102,66 @@ def _commands() -> list[list[str]]:
     return walk(build_parser(), [])
 
 
-def test_help_imports_only_the_parsers() -> None:
+COMMAND_MODULES = {f"fsm_kernel.cli.{module}" for _, module, _ in COMMANDS}
+GLOBAL_FLAGS = {"-h", "--help", "--debug", "-v", "--verbose"}
+
+
+def test_help_imports_no_command_module() -> None:
     codes, added = _probe(["--help"])
 
     assert codes == {"--help": 0}
     assert _heavy(added) == []
-    assert "fsm_kernel.cli.runs" in added  # the probe does see what main imports
+    assert "fsm_kernel.cli" in added  # the probe does see what main imports
+    assert added & COMMAND_MODULES == set()
+
+
+def test_a_command_s_help_imports_its_module_only() -> None:
+    codes, added = _probe(["test", "--help"])
+
+    assert codes == {"test --help": 0}
+    assert added & COMMAND_MODULES == {"fsm_kernel.cli.test_cmd"}
+
+
+def test_commands_lists_every_command_in_order_with_its_help() -> None:
+    """The list `fsm-kernel --help` shows without the modules is the one they register."""
+    names: list[str] = []
+    helps: dict[str, str | None] = {}
+
+    class Recorder:
+        def add_parser(self, name: str, **kwargs: str) -> argparse.ArgumentParser:
+            names.append(name)
+            helps[name] = kwargs.get("help")
+            return argparse.ArgumentParser(prog=name)
+
+    for module in dict.fromkeys(module for _, module, _ in COMMANDS):
+        importlib.import_module(f"fsm_kernel.cli.{module}").register(Recorder())
+
+    assert sorted(names) == sorted(name for name, _, _ in COMMANDS)
+    assert set(helps.values()) == {None}  # each line is in COMMANDS only
+    assert all(line and not line.endswith(".") for _, _, line in COMMANDS)
+
+
+def _parser_at(root: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser:
+    parser = root
+    for name in path:
+        (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", [["run"], ["runs", "show"], ["resume"], ["worker"], ["signal"]])
+def test_a_command_filled_when_chosen_is_the_one_built_at_once(path: list[str]) -> None:
+    eager, lazy = build_parser(), build_parser(lazy=True)
+    assert lazy.format_help() == eager.format_help()
+    assert set(_parser_at(lazy, path[:1])._option_string_actions) == GLOBAL_FLAGS  # not yet
+
+    with pytest.raises(UsageError):  # choosing it fills it; each needs an argument given
+        lazy.parse_args(path)
+
+    chosen, built = _parser_at(lazy, path), _parser_at(eager, path)
+    assert chosen.format_help() == built.format_help()
+    assert chosen._option_string_actions.keys() == built._option_string_actions.keys()
+    assert chosen._defaults.keys() == built._defaults.keys()
 
 
 def test_every_command_s_help_imports_only_the_parsers() -> None:
