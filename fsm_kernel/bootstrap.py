@@ -13,26 +13,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from fsm_kernel.agent import HttpChatModel
-from fsm_kernel.agent.local import (
-    BUNDLED,
-    LocalChatModel,
-    is_local_model,
-    local_model_available,
-    resolve_gguf,
-    small_model_setting,
-)
 from fsm_kernel.config import AgentSettings, agent_settings_from_env, package_data_dir
 from fsm_kernel.errors import ConfigError, ResumeError, WorkflowValidationError
-from fsm_kernel.kernel import Kernel
 from fsm_kernel.memory import build_system_prompt, load_memory
 from fsm_kernel.protocol import ChatModel, EventStore
-from fsm_kernel.replay import RecordedRun
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.tools.mcp_client import McpRef, McpServers, parse_ref
 from fsm_kernel.tools.registry import build_tool, import_tools
@@ -40,6 +29,10 @@ from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.human import HumanChannel
 from fsm_kernel.workflow.loader import find_workflow, load_workflow, load_workflow_text
 from fsm_kernel.workflow.spec import Limits, WorkflowSpec
+
+if TYPE_CHECKING:  # imported where a run is built: `fsm-kernel validate` needs neither
+    from fsm_kernel.kernel import Kernel
+    from fsm_kernel.replay import RecordedRun
 
 __all__ = [
     "RunOptions",
@@ -413,6 +406,14 @@ def _nothing_configured(
     return not any(given)
 
 
+def local_model_available() -> bool:
+    """Whether the bundled model can run here (fsm_kernel.agent.local's check, imported when
+    asked: the model clients load only when a run is built, not to validate a workflow)."""
+    from fsm_kernel.agent.local import local_model_available as available
+
+    return available()
+
+
 def choose_model(
     spec: WorkflowSpec, options: RunOptions, environ: Mapping[str, str] | None = None
 ) -> tuple[AgentSettings, str | None]:
@@ -421,6 +422,8 @@ def choose_model(
     With nothing configured and nothing answering at the default Ollama address, the bundled
     model runs instead, if the `local` extra is installed (else the run reports that Ollama
     is unreachable, naming both ways out)."""
+    from fsm_kernel.agent.local import BUNDLED
+
     environ = os.environ if environ is None else environ
     settings = agent_settings(spec, options, environ)
     if (
@@ -434,6 +437,14 @@ def choose_model(
 
 def chat_model_for(settings: AgentSettings, environ: Mapping[str, str] | None = None) -> ChatModel:
     """The HTTP client, or the in-process llama.cpp model for `local` / `local:PATH.gguf`."""
+    from fsm_kernel.agent import HttpChatModel
+    from fsm_kernel.agent.local import (
+        LocalChatModel,
+        is_local_model,
+        resolve_gguf,
+        small_model_setting,
+    )
+
     if not is_local_model(settings.model):
         return HttpChatModel(settings)
     environ = os.environ if environ is None else environ
@@ -544,6 +555,9 @@ def build_kernel(
     the states' own (`kernel.state_models`, built from their `agent:` blocks unless
     `chat_model` is given: then every state uses it).
     """
+    from fsm_kernel.agent.local import LocalChatModel
+    from fsm_kernel.kernel import Kernel
+
     options = options or RunOptions()
     limits = run_limits(spec, options)
     settings, notice = (

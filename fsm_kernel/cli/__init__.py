@@ -10,13 +10,13 @@ person.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import logging
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from fsm_kernel import __version__
 from fsm_kernel.cli.args import check_text_arguments
@@ -137,9 +137,105 @@ def _unknown_options(parsers: Sequence[argparse.ArgumentParser], args: list[str]
     return unknown
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from fsm_kernel.cli import commands
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("run", "commands", "run a workflow on a prompt"),
+    ("chat", "chat_cmd", "talk with an agent in the terminal, each line a run continuing the last"),
+    (
+        "validate",
+        "commands",
+        "check workflow files; prints path: ok, or every error as path:line:col: message",
+    ),
+    (
+        "tools",
+        "commands",
+        "list the built-in tools (or a workflow's, MCP servers' included) with their parameters",
+    ),
+    ("schema", "commands", "print the workflow file's JSON Schema (for editors)"),
+    ("workflows", "commands", "list the stock workflows and when to choose each"),
+    ("runs", "runs", "inspect recorded runs (list, show, events, export, coverage)"),
+    (
+        "resume",
+        "runs",
+        "continue a run that was killed, lost its model server, or waits for a person",
+    ),
+    (
+        "replay",
+        "runs",
+        "re-run a recorded run (or every stored run: --all) from its log and compare transitions",
+    ),
+    ("signal", "signal_cmd", "deliver a named event to a run that waits for one, and continue it"),
+    (
+        "test",
+        "test_cmd",
+        "run workflow test files (*.test.yaml) without a model server; --generate one",
+    ),
+    ("diagram", "diagram_cmd", "draw a workflow (and a run on it) as dot, svg, png or mermaid"),
+    (
+        "schedule",
+        "schedule_cmd",
+        "run the persistent agent: cron ticks dispatch the configured agents",
+    ),
+    ("worker", "schedule_cmd", "an extra worker that only executes queued dispatches"),
+    ("dispatches", "schedule_cmd", "recent dispatches of a scheduler config; --cancel stops one"),
+    ("ui", "ui_cmd", "browse runs in a web browser: live on their diagrams, with their timelines"),
+)
+"""Every command, in the order `fsm-kernel --help` lists them: its name, the module under
+fsm_kernel.cli whose `register(sub)` adds its arguments (and its description), and its line in
+that list. The line is kept here so that the list needs none of the modules (as pip's
+commands_dict does)."""
 
+
+class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """The COMMAND argument. Each command's parser is made empty, with its line of help; its
+    module fills it when the command is chosen (`fill`), so `fsm-kernel --help` and a usage
+    error import none of the command modules and build none of their arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unfilled: dict[str, list[str]] = {}
+        """Module name -> the commands it fills, for the modules not imported yet."""
+
+    def add_command(self, name: str, module: str, line: str) -> None:
+        self.add_parser(name, help=line)
+        self._unfilled.setdefault(module, []).append(name)
+
+    def fill(self, name: str | None = None) -> None:
+        """Give the command `name` (every command, without a name) its arguments."""
+        modules = [m for m, names in self._unfilled.items() if name is None or name in names]
+        for module in modules:
+            del self._unfilled[module]
+            register = importlib.import_module(f"fsm_kernel.cli.{module}").register
+            register(_Filling(self._name_parser_map))
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        self.fill(values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Filling:
+    """What a command module's `register(sub)` is given by `_Commands.fill`: `add_parser` hands
+    back the parser already made for the command, with the module's description set."""
+
+    def __init__(self, parsers: dict[str, argparse.ArgumentParser]) -> None:
+        self._parsers = parsers
+
+    def add_parser(self, name: str, *, description: str | None = None) -> argparse.ArgumentParser:
+        parser = self._parsers.get(name)
+        if parser is None:  # a bug, caught by every test that builds the whole parser
+            raise LookupError(f"command {name!r} is missing from fsm_kernel.cli.COMMANDS")
+        parser.description = description
+        return parser
+
+
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The whole parser; with `lazy`, each command's arguments are added when it is chosen
+    (main's way: a command's parser is then built exactly as here, just later)."""
     parser = _Parser(
         prog="fsm-kernel",
         description="Run agents whose loop is a finite-state machine written in YAML.",
@@ -148,32 +244,44 @@ def build_parser() -> argparse.ArgumentParser:
         f"event store: FSM_KERNEL_STORE. {EXIT_CODES_HELP}",
     )
     parser.add_argument("--version", action="version", version=f"fsm-kernel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = cast(
+        _Commands,
+        parser.add_subparsers(
+            dest="command", metavar="COMMAND", parser_class=_Parser, action=_Commands
+        ),
+    )
     sub.required = True
-    commands.register(sub)
+    for name, module, line in COMMANDS:
+        sub.add_command(name, module, line)
+    if not lazy:
+        sub.fill()
     return parser
-
-
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever sys.stderr is at the time (tests swap it)."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value: Any) -> None:
-        pass
 
 
 @contextmanager
 def configure_logging(verbose: bool) -> Iterator[None]:
     """Log lines on stderr, each with the id of the run it belongs to; the previous logging
-    setup is restored afterwards (main() also runs in-process, from tests and scripts)."""
-    from fsm_kernel.kernel import current_run_id
+    setup is restored afterwards (main() also runs in-process, from tests and scripts).
+    logging is imported here, not at the top: `fsm-kernel --help` never logs."""
+    import logging
+
+    class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+        """Writes to whatever sys.stderr is at the time (tests swap it)."""
+
+        @property
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value: Any) -> None:
+            pass
 
     class _RunIdFilter(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
+            # Imported at the first line logged: commands that run nothing (validate) never
+            # load the kernel for it.
+            from fsm_kernel.kernel import current_run_id
+
             record.run_id = current_run_id.get()
             return True
 
@@ -211,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     with safe_stdio():
         try:
-            args = build_parser().parse_args(arguments)
+            args = build_parser(lazy=True).parse_args(arguments)
             check_text_arguments(args)
         except UsageError as exc:
             hint = f" (see '{exc.parser.prog} --help')"
@@ -258,6 +366,8 @@ def _failure(exc: Exception) -> tuple[str, int]:
     if isinstance(exc, FsmKernelError):
         return str(exc), EXIT_FAIL
     # a bug: one line, not a traceback, unless --debug
+    import logging
+
     logging.getLogger(__name__).debug("internal error", exc_info=True)
     return (
         f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",

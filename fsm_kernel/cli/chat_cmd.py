@@ -5,9 +5,7 @@ it up later)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import sys
 from typing import Any
 
@@ -25,7 +23,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "chat",
-        help="talk with an agent in the terminal, each line a run continuing the last",
         description="Each line you type is a run of WORKFLOW that continues the conversation "
         "so far (recorded as such in the event log); its progress shows on stderr, its answer "
         "on stdout (streamed there as it comes when stdout is a terminal). !exit, Ctrl-D, or "
@@ -46,6 +43,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    import asyncio  # here, not at the top: building the parsers (`--help`) stays cheap
+
     from fsm_kernel.api import Agent
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.cli import output
@@ -97,6 +96,9 @@ async def _read_line(prompt: str) -> str | None:
 
     Read on the event loop as the terminal makes input available (no thread left blocked in
     a read when the chat ends)."""
+    import asyncio
+    import signal
+
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     try:  # before the prompt shows: a Ctrl-C right after it ends the chat too
@@ -154,6 +156,8 @@ class _Stdin:
         return raw.decode("utf-8", "replace")
 
     async def _chunk(self) -> bytes:
+        import asyncio
+
         fd = sys.stdin.fileno()
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -22,22 +20,11 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_WAITING = 0, 1, 2, 3
 
 
 def register(sub: Any) -> None:
-    """Add every subcommand to the parser."""
-    from fsm_kernel.cli import (
-        chat_cmd,
-        diagram_cmd,
-        runs,
-        schedule_cmd,
-        signal_cmd,
-        test_cmd,
-        ui_cmd,
-    )
-
+    """Add run, validate, tools, schema and workflows (fsm_kernel.cli.COMMANDS lists every
+    command with the module that adds it)."""
     _add_run(sub)
-    chat_cmd.register(sub)
     p = sub.add_parser(
         "validate",
-        help="check workflow files; prints path: ok, or every error as path:line:col: message",
         description="Check workflow files (paths or stock names) as a run would load them: "
         "each file's every error is reported, in file order, as path:line:col: message (a "
         "called workflow's errors at their place in it); exit 2 when any file has one.",
@@ -60,8 +47,6 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_validate)
     p = sub.add_parser(
         "tools",
-        help="list the built-in tools (or a workflow's, MCP servers' included) with their "
-        "parameters",
         description="Without --workflow: the built-in tools. With it: the tools the workflow "
         "offers the model, its own and its MCP servers' (which are started to list them), "
         "with their parameters; --json prints their JSON Schemas.",
@@ -73,17 +58,11 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the tool schemas as JSON")
     p.set_defaults(handler=cmd_tools)
-    p = sub.add_parser("schema", help="print the workflow file's JSON Schema (for editors)")
+    p = sub.add_parser("schema")
     p.set_defaults(handler=cmd_schema)
-    p = sub.add_parser("workflows", help="list the stock workflows and when to choose each")
+    p = sub.add_parser("workflows")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_workflows)
-    runs.register(sub)
-    signal_cmd.register(sub)
-    test_cmd.register(sub)
-    diagram_cmd.register(sub)
-    schedule_cmd.register(sub)
-    ui_cmd.register(sub)
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, resuming: bool = False) -> None:
@@ -193,7 +172,6 @@ def add_resume_flags(p: argparse.ArgumentParser) -> None:
 def _add_run(sub: Any) -> None:
     p = sub.add_parser(
         "run",
-        help="run a workflow on a prompt",
         description="Run WORKFLOW (a file, or a stock name such as 'default' or 'react') on "
         "the prompt against an OpenAI-compatible model server. Progress goes to stderr; the "
         "answer, the tool calls and the termination reason to stdout (on a terminal the "
@@ -257,6 +235,9 @@ def open_event_store(location: str | None) -> EventStore:
 
 async def run_cancellable(coro: Awaitable[RunResult]) -> RunResult:
     """Run a kernel coroutine so Ctrl-C cancels it (recorded as `cancelled`), not kills it."""
+    import asyncio
+    import signal
+
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     try:
@@ -283,6 +264,8 @@ def agent_options(options: RunOptions) -> dict[str, Any]:
 def execute(args: argparse.Namespace, start: Callable[[Agent], Awaitable[RunResult]]) -> int:
     """Build the Agent from the flags (the same public API Python code uses), run
     `start(agent)` under Ctrl-C handling, print, exit code."""
+    import asyncio
+
     from fsm_kernel.api import Agent
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.cli import output
@@ -397,6 +380,8 @@ def _error_json(error: Any, path: str) -> dict[str, Any]:
 
 
 def cmd_tools(args: argparse.Namespace) -> int:
+    import asyncio
+
     from fsm_kernel.tools import builtin_registry
 
     if args.workflow is not None:

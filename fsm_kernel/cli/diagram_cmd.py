@@ -36,7 +36,6 @@ def register(sub: Any) -> None:
     """Add the `diagram` subcommand."""
     p = sub.add_parser(
         "diagram",
-        help="draw a workflow (and a run on it) as dot, svg, png or mermaid",
         description="Draw WORKFLOW (a file or a stock name): states with their actions, guards "
         "and termination reasons on the edges. --run draws a recorded run on top: visit counts, "
         "the path taken and where it ended. dot and mermaid text need nothing; svg and png need "

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from fsm_kernel.cli.terminal import CUT, cut
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.redact import StreamRedactor
 from fsm_kernel.streaming import TextDelta
@@ -14,13 +15,7 @@ from fsm_kernel.streaming import TextDelta
 if TYPE_CHECKING:
     from fsm_kernel.kernel import RunResult
 
-CUT = 200
-
-
-def cut(text: str, limit: int = CUT) -> str:
-    """One line, at most `limit` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+__all__ = ["CUT", "Progress", "cut", "live_output", "print_result"]
 
 
 def _args(arguments: Any) -> str:

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 import sys
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsm_kernel.cli.args import count
-from fsm_kernel.cli.output import cut
-from fsm_kernel.config import DEFAULT_STORE, default_store_location
-from fsm_kernel.protocol import Event, EventStore, EventType, RunFilter, RunSummary
-from fsm_kernel.workflow.human import HumanAnswer
+from fsm_kernel.cli.terminal import cut
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the rest is imported where used: building the parsers stays cheap
     from collections.abc import Callable
+    from datetime import timedelta
+    from pathlib import Path
 
     from fsm_kernel.api import Agent
     from fsm_kernel.kernel import RunResult
+    from fsm_kernel.protocol import Event, EventStore, RunSummary
     from fsm_kernel.replay import RecordedRun
+    from fsm_kernel.workflow.human import HumanAnswer
     from fsm_kernel.workflow.spec import WorkflowSpec
-
-logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -42,9 +37,7 @@ def register(sub: Any) -> None:
     """Add the event-log subcommands."""
     from fsm_kernel.cli.commands import add_resume_flags
 
-    runs = sub.add_parser(
-        "runs", help="inspect recorded runs (list, show, events, export, coverage)"
-    )
+    runs = sub.add_parser("runs")
     rsub = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     p = rsub.add_parser(
         "list",
@@ -104,7 +97,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "resume",
-        help="continue a run that was killed, lost its model server, or waits for a person",
         description="Rebuild a run from its events and continue it live from the last "
         "recorded step, with the server, model, timeouts, workspace and limits the run "
         "recorded (a flag given here overrides one and is recorded); the model is not asked "
@@ -140,8 +132,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "replay",
-        help="re-run a recorded run (or every stored run: --all) from its log and compare "
-        "transitions",
         description="Re-run the workflow with every model answer and tool output "
         "served from the log (no network, no tool side effects). Exit 0 when it "
         "takes the same transitions, 1 with the first differing step named. --all does it "
@@ -212,6 +202,8 @@ def _register_coverage(rsub: Any) -> None:
 
 def _since(text: str) -> timedelta:
     """A --since DURATION: a number and one unit (s, m, h, d)."""
+    from datetime import timedelta
+
     from fsm_kernel.workflow.spec import parse_duration
 
     seconds = parse_duration(text)
@@ -224,6 +216,7 @@ def _since(text: str) -> timedelta:
 
 def _open(args: argparse.Namespace) -> Any:
     """The store, read-only: these commands only read (a missing store is an error, exit 2)."""
+    from fsm_kernel.config import default_store_location
     from fsm_kernel.store import open_store
 
     return open_store(args.store or default_store_location(), read_only=True)
@@ -232,6 +225,10 @@ def _open(args: argparse.Namespace) -> Any:
 def _nothing_recorded_here(args: argparse.Namespace) -> bool:
     """Whether the list is asked of the default store and none was made yet (a new folder):
     an empty list, not an error; a store named by --store or FSM_KERNEL_STORE must exist."""
+    from pathlib import Path
+
+    from fsm_kernel.config import DEFAULT_STORE, default_store_location
+
     return (
         args.store is None
         and default_store_location() == DEFAULT_STORE
@@ -240,6 +237,9 @@ def _nothing_recorded_here(args: argparse.Namespace) -> bool:
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
+    from fsm_kernel.config import DEFAULT_STORE
+    from fsm_kernel.protocol import RunFilter
+
     if _nothing_recorded_here(args):
         print(f"no runs recorded yet (no store at {DEFAULT_STORE} in this folder)", file=sys.stderr)
         if args.json:
@@ -298,6 +298,8 @@ def _nested(runs: list[RunSummary]) -> list[tuple[RunSummary, int]]:
 
 def _child_tree(store: EventStore, events: list[Event], seen: set[str]) -> list[dict[str, Any]]:
     """The child runs a run started (from its `child.started` events), each with its own."""
+    from fsm_kernel.protocol import EventType
+
     tree = []
     for e in events:
         if e.type != EventType.CHILD_STARTED:
@@ -341,6 +343,8 @@ def _print_tree(nodes: list[dict[str, Any]], depth: int = 1) -> None:
 
 
 def _audit(events: list[Event]) -> dict[str, Any]:
+    from fsm_kernel.protocol import EventType
+
     started = events[0].data if events else {}
     terminated: Event | None = None
     waiting: dict[str, Any] | None = None
@@ -388,6 +392,7 @@ def _model_line(settings: dict[str, Any]) -> str:
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
+    from fsm_kernel.protocol import EventType
     from fsm_kernel.replay import pinning
 
     with _open(args) as store:
@@ -433,6 +438,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def _why_steps(events: list[Event]) -> list[dict[str, Any]]:
     """Each transition the run took, in order, with the edges its step tried (`tried`, as
     recorded in `transition.taken`; None in a log written before fsm-kernel recorded it)."""
+    from fsm_kernel.protocol import EventType
+
     steps: list[dict[str, Any]] = []
     for e in events:
         if e.type != EventType.TRANSITION_TAKEN:
@@ -620,7 +627,10 @@ def continue_run(args: argparse.Namespace, answer_of: Callable[[], HumanAnswer |
     """Continue a recorded run (`resume`, `signal`) with the answer `answer_of` gives: on the
     definition it recorded, or the one --workflow/--migrate moves it to, with the recorded
     settings that the flags given override (and are recorded)."""
+    import asyncio
+
     from fsm_kernel.cli import commands
+    from fsm_kernel.config import default_store_location
     from fsm_kernel.replay import RecordedRun, check_answer
 
     with _open(args) as store:
@@ -700,6 +710,8 @@ def _check_resumable(run: RecordedRun, answer: HumanAnswer | None) -> None:
 
 
 def _settle_dispatch(store: str, result: RunResult) -> None:
+    import logging
+
     from fsm_kernel.scheduler.queue import settle_waiting_dispatch
 
     reason = result.termination_reason
@@ -711,10 +723,14 @@ def _settle_dispatch(store: str, result: RunResult) -> None:
         error=result.error,
     )
     if settled is not None:
-        logger.info("dispatch %s (%s): %s", settled.dispatch_id, settled.agent_id, settled.status)
+        logging.getLogger(__name__).info(
+            "dispatch %s (%s): %s", settled.dispatch_id, settled.agent_id, settled.status
+        )
 
 
 def _answer(args: argparse.Namespace) -> HumanAnswer | None:
+    from fsm_kernel.workflow.human import HumanAnswer
+
     if args.approve:
         return HumanAnswer.approve(by=args.by)
     if args.reject is not None:
@@ -725,6 +741,8 @@ def _answer(args: argparse.Namespace) -> HumanAnswer | None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.errors import ConfigError
 
@@ -779,6 +797,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_replay_all(args: argparse.Namespace) -> int:
     """`replay --all`: every stored run re-decided, one at a time; a line per run that diverged
     or could not be replayed as it comes, then the summary."""
+    import asyncio
+    from datetime import UTC, datetime
+
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.regression import Verdict, replay_all
 
@@ -840,6 +861,9 @@ def _replay_all_summary(counts: dict[str, int], children: int, workflow: str | N
 
 def cmd_runs_coverage(args: argparse.Namespace) -> int:
     """`runs coverage WORKFLOW`: a workflow's stored runs, added up."""
+    from datetime import UTC, datetime
+    from pathlib import Path
+
     from fsm_kernel.bootstrap import load_spec
     from fsm_kernel.regression import workflow_coverage
 

@@ -38,7 +38,6 @@ def register(sub: Any) -> None:
     """Add schedule, worker and dispatches."""
     p = sub.add_parser(
         "schedule",
-        help="run the persistent agent: cron ticks dispatch the configured agents",
         description="Each tick reads STATE.md, dispatches the enabled agents (with {STATE} in "
         "their prompts) through the dispatch queue, runs up to max_concurrent in parallel as "
         "kernel runs, and records each as done or failed. Each tick first wakes the runs whose "
@@ -54,7 +53,6 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_lazy("cmd_schedule"))
     p = sub.add_parser(
         "worker",
-        help="an extra worker that only executes queued dispatches",
         description="Claims and runs the dispatches of a scheduler config, on this host or "
         "another (a postgresql:// store); a dispatch the scheduler woke because its run's timer "
         "is due resumes that run. Ctrl-C stops gracefully (twice: abandons running dispatches).",
@@ -71,7 +69,6 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_lazy("cmd_worker"))
     p = sub.add_parser(
         "dispatches",
-        help="recent dispatches of a scheduler config; --cancel stops one",
         description="Lists the most recent dispatches: status, attempts (claims so far / "
         "max_attempts), and the run's termination reason or the error. A dispatch whose worker "
         "died max_attempts times is failed ('abandoned after 3 attempts: lease expired'). "

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 from fsm_kernel.errors import AnswerError
-from fsm_kernel.workflow.human import HumanAnswer
 
 __all__ = ["cmd_signal", "register"]
 
@@ -20,7 +19,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "signal",
-        help="deliver a named event to a run that waits for one, and continue it",
         description="Deliver the event NAME (with --data, any JSON value) to a run waiting in "
         "a state whose edges carry 'event: NAME', record it (event.delivered) and continue the "
         "run in this process from its log, as resume does. Refused (exit 2, nothing recorded) "
@@ -46,6 +44,7 @@ def register(sub: Any) -> None:
 
 def cmd_signal(args: argparse.Namespace) -> int:
     from fsm_kernel.cli.runs import continue_run
+    from fsm_kernel.workflow.human import HumanAnswer
 
     answer = HumanAnswer.signal(args.name, _data(args.data), by=args.by)
     return continue_run(args, lambda: answer)

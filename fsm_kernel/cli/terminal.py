@@ -15,13 +15,23 @@ from typing import Any, TextIO, cast
 
 from fsm_kernel.redact import redact
 
-__all__ = ["SafeStream", "printable", "safe_stdio"]
+__all__ = ["CUT", "SafeStream", "cut", "printable", "safe_stdio"]
+
+CUT = 200
+"""The most characters `cut` keeps by default."""
 
 _CONTROL = {
     code: f"\\u{code:04x}"
     for code in (*range(0x00, 0x20), *range(0x7F, 0xA0))
     if code not in (0x09, 0x0A)
 }
+
+
+def cut(text: str, limit: int = CUT) -> str:
+    """One line, at most `limit` characters (here, not in output.py, so that the commands
+    that list runs need not import the event types to build their parsers)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def printable(text: str) -> str:

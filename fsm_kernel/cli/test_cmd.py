@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
-from xml.etree import ElementTree
 
 from fsm_kernel.cli.explore_cmd import add_explore_args, run_explore
 from fsm_kernel.errors import ConfigError, WorkflowError
@@ -25,7 +24,6 @@ def register(sub: Any) -> None:
     """Add the `test` subcommand."""
     p = sub.add_parser(
         "test",
-        help="run workflow test files (*.test.yaml) without a model server; --generate one",
         description="Run every case of the given test files (folders: every *.test.yaml "
         "under them) through the real kernel with the model replies, tool results, answers, "
         "events and child outcomes each case scripts: no model server, no network. Exit 0 "
@@ -179,6 +177,8 @@ def _report(
 
 def _write_junit(path: Path, results: list[Any], broken: list[str]) -> None:
     """JUnit XML: one testsuite per test file, one testcase per case."""
+    from xml.etree import ElementTree
+
     root = ElementTree.Element("testsuites", name="fsm-kernel test")
     suites: dict[str, ElementTree.Element] = {}
     for r in results:

@@ -23,7 +23,6 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "ui",
-        help="browse runs in a web browser: live on their diagrams, with their timelines",
         description="Serve a local web app over the event store: the runs (filtered, paged), "
         "each run live on its workflow's diagram beside the timeline of its model calls, tool "
         "calls and transitions, the workflows, and with --scheduler the dispatches of recent "

@@ -10,17 +10,17 @@ and reports an unknown name, an unknown variable or an operator applied to types
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import celpy
-from celpy.adapter import CELJSONEncoder, json_to_cel
-from celpy.celparser import CELParseError
-from celpy.evaluation import CELEvalError
 from lark import Token, Tree
+
+if TYPE_CHECKING:
+    import celpy
 
 __all__ = [
     "NAMES",
@@ -67,7 +67,15 @@ _JSON_TYPES = {
     "array": "list", "object": "map", "null": "null",
 }  # fmt: skip
 
-_ENV = celpy.Environment()
+
+@functools.cache
+def _env() -> celpy.Environment:
+    """cel-python's environment, made when the first expression is parsed: importing celpy and
+    building its parser take over 0.1 s, which a workflow without expressions (and `fsm-kernel
+    validate` of one) need not pay."""
+    import celpy
+
+    return celpy.Environment()
 
 
 class ExpressionError(Exception):
@@ -85,8 +93,10 @@ class Problem:
 
 def parse(text: str) -> Tree[Any] | Problem:
     """The parse tree of `text`, or the syntax error where it is."""
+    from celpy.celparser import CELParseError
+
     try:
-        return _ENV.compile(text)
+        return _env().compile(text)
     except CELParseError as exc:
         return Problem(_syntax_message(exc), exc.line or 1, exc.column or 1)
 
@@ -146,9 +156,12 @@ def evaluate(text: str, names: Mapping[str, Any]) -> Any:
     tree = parse(text)
     if isinstance(tree, Problem):
         raise ExpressionError(tree.message)
+    from celpy.adapter import CELJSONEncoder, json_to_cel
+    from celpy.evaluation import CELEvalError
+
     activation = {name: json_to_cel(value) for name, value in names.items()}
     try:
-        result = _ENV.program(tree).evaluate(activation)
+        result = _env().program(tree).evaluate(activation)
     except (CELEvalError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ExpressionError(_eval_message(exc)) from exc
     if isinstance(result, CELEvalError):
