@@ -114,6 +114,14 @@ class Worker:
             logger.info("worker %s stopped", self.worker_id)
 
     async def _loop(self) -> None:
+        self._executor.completions.carry(True)  # each claim records the outcomes before it
+        try:
+            await self._claim_until_stopped()
+        finally:
+            self._executor.completions.carry(False)  # the last ones: no claim comes for them
+        await asyncio.gather(*self._in_flight)
+
+    async def _claim_until_stopped(self) -> None:
         while not self.stopping:
             self._changed.clear()  # from now on, a change means: look again
             free = self.concurrency - len(self._busy)
@@ -125,7 +133,6 @@ class Worker:
                 self._start(dispatch)
             if len(claimed) < free:  # the queue (or the fleet's cap) had no more for now
                 await self._wait()
-        await asyncio.gather(*self._in_flight)
 
     async def _pump(self, listener: DispatchListener) -> None:
         """Turn the listener's signals into wake-ups and cancel requests."""
@@ -141,11 +148,15 @@ class Worker:
 
     async def _claim(self, free: int) -> list[Dispatch]:
         """As many dispatches as there are free slots (fewer if the fleet's cap or the queue
-        has fewer), in one call: one thread hop and one statement per batch."""
+        has fewer), in one call that first records the outcomes waiting to be: one thread hop
+        and one statement per batch. If the call fails (nothing recorded), those outcomes are
+        given back to be recorded on their own."""
         config = self.config
+        carried = self._executor.completions.take()
         try:
-            return await asyncio.to_thread(
-                self.queue.claim_batch,
+            results, claimed = await asyncio.to_thread(
+                self.queue.complete_and_claim,
+                [completion for completion, _ in carried],
                 config.kernel_id,
                 self.worker_id,
                 config.lease_seconds,
@@ -154,7 +165,13 @@ class Worker:
             )
         except StoreError as exc:
             logger.warning("worker %s: claim failed, retrying: %s", self.worker_id, exc)
+            self._executor.completions.give_back(carried)
             return []
+        except BaseException:
+            self._executor.completions.give_back(carried)
+            raise
+        self._executor.completions.settle(carried, results)
+        return claimed
 
     def _start(self, dispatch: Dispatch) -> None:
         self._busy.add(dispatch.dispatch_id)

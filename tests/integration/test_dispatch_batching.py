@@ -316,7 +316,7 @@ def test_a_worker_killed_holding_a_batch_loses_nothing_and_runs_nothing_twice(
     assert starts == [*[("doomed", a) for a in agents], *[("rescuer", a) for a in agents]]
 
 
-def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: Path) -> None:
+def test_a_worker_claims_and_records_by_the_batch_in_one_call_per_batch(tmp_path: Path) -> None:
     from fsm_kernel.scheduler import SqliteDispatchQueue
 
     class CountingQueue(SqliteDispatchQueue):
@@ -324,14 +324,18 @@ def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: 
             super().__init__(path)
             self.claims: list[int] = []
             self.completions: list[int] = []
+            """Outcomes carried by each claim."""
+            self.alone: list[int] = []
+            """Outcomes recorded on their own (complete_batch)."""
 
-        def claim_batch(self, *args: Any, **kwargs: Any) -> Any:
-            claimed = super().claim_batch(*args, **kwargs)
+        def complete_and_claim(self, completions: Any, *args: Any) -> Any:
+            results, claimed = super().complete_and_claim(completions, *args)
             self.claims.append(len(claimed))
-            return claimed
+            self.completions.append(len(completions))
+            return results, claimed
 
         def complete_batch(self, completions: Any, **kwargs: Any) -> Any:
-            self.completions.append(len(completions))
+            self.alone.append(len(completions))
             return super().complete_batch(completions, **kwargs)
 
     store = str(tmp_path / "queue.db")
@@ -360,5 +364,6 @@ def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: 
     assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
     assert all(d.status is DispatchStatus.DONE for d in rows)
     assert [n for n in queue.claims if n][:4] == [5, 5, 5, 5]  # the free slots, each time
-    assert len(queue.completions) <= 8  # 20 outcomes, recorded a batch at a time
-    assert max(queue.completions) >= 3
+    # Each batch's outcomes were recorded by the claim that took the next batch, none alone.
+    assert [n for n in queue.completions if n] == [5, 5, 5, 5]
+    assert queue.alone == []
