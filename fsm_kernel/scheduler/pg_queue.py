@@ -155,10 +155,12 @@ def _claimable(condition: str) -> str:
 # cancelled), then the claimed ones. The planner settings: a kernel's slots are made at its
 # first claim, usually after the last ANALYZE saw none, and a plan costed for an empty table
 # scans all of them; every row here is meant to be found by its key.
-_CLAIM_DDL = f"""
-CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
+def _claim_ddl(name: str, extra_params: str = "", first: str = "") -> str:
+    """The claim function `name` (see above), running `first` (statements) before it claims."""
+    return f"""
+CREATE OR REPLACE FUNCTION {name}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
-    p_cancelled text, p_limit integer)
+    p_cancelled text, p_limit integer{extra_params})
 RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
 SET enable_bitmapscan = off AS $fn$
@@ -166,7 +168,7 @@ DECLARE
     reaped {TABLE};
     top integer;
     room integer := p_limit;
-BEGIN
+BEGIN{first}
     FOR reaped IN
         UPDATE {TABLE} SET {reap_assignments(_p)}
         WHERE {reap_condition(_p)} AND dispatch_id IN (
@@ -210,6 +212,9 @@ BEGIN
     RETURNING t.*;
 END
 $fn$"""
+
+
+_CLAIM_DDL = _claim_ddl(_CLAIM_FUNCTION)
 _CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s)"
 # The slot of each row a fenced update changed (`changed`, which returns the row's `slot`)
 # follows it: a renewed lease renews the slot, an end (no lease left) frees it, while the slot
@@ -259,15 +264,11 @@ _COMPLETE_AND_CLAIM_SIGNATURE = (
 # that sees those ends, the claim, which is offered the slots just freed. So an end wakes no
 # one: the worker that freed the slots takes them, and leaves them free only when nothing is
 # left to claim. Rows come back as the finished ones, then the claim's (reaped, claimed).
-_COMPLETE_AND_CLAIM_DDL = f"""
-CREATE OR REPLACE FUNCTION {_COMPLETE_AND_CLAIM_FUNCTION}(
-    p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
-    p_cancelled text, p_limit integer, p_ids text[], p_attempts integer[], p_statuses text[],
-    p_run_ids text[], p_reasons text[], p_errors text[])
-RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
-SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
-SET enable_bitmapscan = off AS $fn$
-BEGIN
+_COMPLETE_AND_CLAIM_DDL = _claim_ddl(
+    _COMPLETE_AND_CLAIM_FUNCTION,
+    """, p_ids text[], p_attempts integer[], p_statuses text[],
+    p_run_ids text[], p_reasons text[], p_errors text[]""",
+    f"""
     IF cardinality(p_ids) > 0 THEN
         RETURN QUERY
         WITH outcome AS (
@@ -282,11 +283,8 @@ BEGIN
                 AND t.worker_id = p_worker AND t.attempts = o.attempt
             RETURNING t.*),{_SLOT_FOLLOWS}
         SELECT * FROM changed;
-    END IF;
-    RETURN QUERY SELECT * FROM {_CLAIM_FUNCTION}(
-        p_kernel, p_worker, p_now, p_expires, p_cap, p_cancelled, p_limit);
-END
-$fn$"""
+    END IF;""",
+)
 _COMPLETE_AND_CLAIM = (
     f"SELECT {COLS} FROM {_COMPLETE_AND_CLAIM_FUNCTION}"
     "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
