@@ -163,7 +163,7 @@ CREATE OR REPLACE FUNCTION {name}(
     p_cancelled text, p_limit integer{extra_params})
 RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
-SET enable_bitmapscan = off AS $fn$
+SET enable_bitmapscan = off SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     reaped {TABLE};
     top integer;
@@ -329,7 +329,9 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         expires = now + timedelta(seconds=lease_seconds)
         params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
-            rows = [Dispatch.from_row(r) for r in conn.execute(_CLAIM, params).fetchall()]
+            rows = [
+                Dispatch.from_row(r) for r in conn.execute(_CLAIM, params, prepare=True).fetchall()
+            ]
         log_reaped([d for d in rows if d.status is not DispatchStatus.RUNNING])
         return in_claim_order([d for d in rows if d.status is DispatchStatus.RUNNING])
 
@@ -354,7 +356,9 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         errors = [c.error for c in completions]
         params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
-            rows = conn.execute(_COMPLETE_AND_CLAIM, (*params, *outcomes, errors)).fetchall()
+            rows = conn.execute(  # prepared at once: a worker calls it every batch
+                _COMPLETE_AND_CLAIM, (*params, *outcomes, errors), prepare=True
+            ).fetchall()
             done, reaped, claimed = _sorted_rows(rows, completions, worker_id)
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in done]
             current = self._current(conn, lost) if lost else {}
