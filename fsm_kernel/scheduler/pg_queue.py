@@ -19,8 +19,11 @@ delete the slots above the cap as they are freed). One window stays, as it did w
 counted leases: a worker whose heartbeat comes after its lease ran out renews its dispatch even
 if the slot went to another dispatch meanwhile, so that run is outside the cap until it ends.
 The claim reads partial indexes over pending and running rows, so its cost does not grow with
-the finished history. Outcomes are recorded a batch per statement (`complete_batch`) on a second
-connection, so a worker's next claim does not wait behind them.
+the finished history. A worker's outcomes travel with its next claim (`complete_and_claim`, a
+second function: the outcomes recorded and their slots freed, then the claim, offered those
+slots, in one call); outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
+per statement (`complete_batch`) on a second connection. Both functions plan their statements
+generically from the first call: every row they touch is found by its key.
 
 All workers of a kernel use the same cap (its config) and this protocol: opening the store
 installs the slots (held ones for the dispatches already running) and drops the previous claim
@@ -295,9 +298,10 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     """The dispatch queue in PostgreSQL (psycopg 3). One connection per instance, guarded by a
     lock so the engine's threads can share it; reconnects after a connection failure.
 
-    Enqueues, ends and cancel requests NOTIFY (see the module's docstring); `complete` NOTIFYs
-    `ended` only when the end frees a slot someone may be waiting for: the kernel was at
-    `max_concurrent` with dispatches pending (always, when it is not given)."""
+    Enqueues, ends and cancel requests NOTIFY (see the module's docstring); `complete` and
+    `complete_batch` NOTIFY `ended` only when the end frees a slot someone may be waiting for:
+    the kernel was at `max_concurrent` with dispatches pending (always, when it is not given).
+    `complete_and_claim` never does: its own claim is offered the slots its ends free."""
 
     dialect = POSTGRES
     _unique_violations = (psycopg.errors.UniqueViolation,)

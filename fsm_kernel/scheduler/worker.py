@@ -2,9 +2,18 @@
 (on several hosts, with a PostgreSQL store) to spread the load; the queue keeps the fleet under
 `max_concurrent` and reclaims the dispatches of a worker that died once their lease expires.
 
+A worker's claim records the outcomes of its runs that ended since the previous claim, in the
+same statement (`complete_and_claim`): one round trip, one commit and one thread hop per batch.
+A run learns its outcome is recorded only once that statement committed; until then the
+dispatch runs under the worker's lease, so a worker that dies with outcomes waiting has
+recorded none of them and their dispatches run again once the leases expire (as a run cut off
+mid-way does); one reported recorded never runs again. Outcomes no claim takes within
+`CARRY_SECONDS` (0.1 s), and those left when the worker stops, are recorded on their own.
+
 An idle worker looks at the queue every `poll_seconds`; on PostgreSQL it also LISTENs, so an
-enqueue or the end of a dispatch (a free slot) wakes it at once, and a cancel request reaches
-the run it concerns at once instead of at the next heartbeat.
+enqueue or the end of a dispatch elsewhere (a free slot) wakes it at once, and a cancel request
+reaches the run it concerns at once instead of at the next heartbeat. A worker whose claim came
+back short waits for one of those (or its own runs' ends), never polling faster.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
 - A worker SIGKILLed holding a batch loses nothing and runs nothing twice: once the leases
   expire another worker runs each dispatch once, and the dead worker's late outcomes are
   refused (fenced by worker and attempt).
+- A worker SIGKILLed with outcomes buffered (waiting for the claim that records them) reruns
+  only those: the outcomes it reported recorded are in the store and never run again.
+- A claim records the outcomes before it and is offered the slots they free, in one call.
 - The attempt limit and cancellation act on dispatches claimed in a batch.
 """
 

@@ -8,7 +8,9 @@ beyond the claims the other dispatch tests race.
 - Opening a store of the advisory-lock protocol gives its running dispatches slots (the cap
   counts them at once) and drops that protocol's claim function, so an older worker still
   running fails its claims instead of claiming outside the slots.
-- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full.
+- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full; ends
+  recorded by a worker's claim (`complete_and_claim`) wake no one: that claim takes the slots
+  they free. Its rows tell the outcomes it recorded from the dispatches it reaped.
 """
 
 from __future__ import annotations
