@@ -499,24 +499,28 @@ class SqlDispatchQueue:
     ) -> builtins.list[Dispatch | StoreConflictError]:
         """Each completion's fenced update, all in one write transaction (one commit)."""
         now = self.clock.now()
-        results: builtins.list[Dispatch | StoreConflictError] = []
         with self._transaction() as conn:
-            for c in completions:
-                assignments, params = self._completion_set(c.status, now, c)
-                try:
-                    results.append(
-                        self._fenced_on(
-                            conn,
-                            assignments,
-                            params,
-                            c.dispatch_id,
-                            c.worker_id,
-                            c.attempt,
-                            (max_concurrent, now),
-                        )
+            return self._complete_on(conn, completions, (max_concurrent, now), now)
+
+    def _complete_on(
+        self,
+        conn: Executor,
+        completions: builtins.list[Completion],
+        notify: tuple[int | None, datetime] | None,
+        now: datetime,
+    ) -> builtins.list[Dispatch | StoreConflictError]:
+        """`complete_batch` inside the caller's transaction."""
+        results: builtins.list[Dispatch | StoreConflictError] = []
+        for c in completions:
+            assignments, params = self._completion_set(c.status, now, c)
+            try:
+                results.append(
+                    self._fenced_on(
+                        conn, assignments, params, c.dispatch_id, c.worker_id, c.attempt, notify
                     )
-                except StoreConflictError as exc:
-                    results.append(exc)
+                )
+            except StoreConflictError as exc:
+                results.append(exc)
         return results
 
     def _completion_set(

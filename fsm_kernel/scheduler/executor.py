@@ -11,7 +11,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 500
 MAX_COMPLETION_BATCH = 100
 """Outcomes recorded by one statement at most."""
+CARRY_SECONDS = 0.1
+"""How long an outcome waits for a claim to carry it before it is recorded on its own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,48 +125,105 @@ def one_line_error(exc: BaseException) -> str:
 
 
 class CompletionBuffer:
-    """Records outcomes in batches: the outcomes that arrive in one turn of the event loop, or
-    while the previous batch is being written, go to the store together (`complete_batch`: one
-    thread hop, one statement, one commit), each awaited by the run it ends. A lost lease fails
-    only the outcome it concerns; a store failure fails the whole batch (nothing recorded)."""
+    """Records outcomes in batches, each awaited by the run it ends until it is committed.
+
+    On its own it flushes the outcomes that arrive in one turn of the event loop, or while the
+    previous batch is being written, together (`complete_batch`: one thread hop, one statement,
+    one commit). While `carried` (a Worker's claim loop), the outcomes wait instead for the
+    worker's next claim, which `take`s them and records them with the claim in one statement
+    (`complete_and_claim`), then `settle`s them; should no claim take them within
+    `CARRY_SECONDS` (the loop is never that slow unless something is wrong), they are flushed on
+    their own. A lost lease fails only the outcome it concerns; a store failure fails the whole
+    batch (nothing recorded)."""
 
     def __init__(self, queue: DispatchQueue, max_concurrent: int | None) -> None:
         self.queue = queue
         self.max_concurrent = max_concurrent
         self._pending: list[tuple[Completion, asyncio.Future[Dispatch]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._carried = False
+        self._fallback: asyncio.TimerHandle | None = None
+
+    def carry(self, carried: bool) -> None:
+        """Let a claim loop carry the outcomes (True), or flush them alone again (False: what
+        is waiting is flushed now)."""
+        self._carried = carried
+        if not carried:
+            self._cancel_fallback()
+            if self._pending:
+                self._start_flush()
 
     async def complete(self, completion: Completion) -> Dispatch:
         """The finished row. StoreConflictError if the lease was lost, StoreError if the store
         failed."""
         future: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
         self._pending.append((completion, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
+        if not self._carried:
+            self._start_flush()
+        elif self._fallback is None:
+            loop = asyncio.get_running_loop()
+            self._fallback = loop.call_later(CARRY_SECONDS, self._carry_timed_out)
         return await future
+
+    def take(self) -> list[tuple[Completion, asyncio.Future[Dispatch]]]:
+        """The waiting outcomes (at most MAX_COMPLETION_BATCH), for the caller to record and
+        then `settle`."""
+        batch = self._pending[:MAX_COMPLETION_BATCH]
+        del self._pending[:MAX_COMPLETION_BATCH]
+        if not self._pending:
+            self._cancel_fallback()
+        return batch
+
+    def give_back(self, batch: list[tuple[Completion, asyncio.Future[Dispatch]]]) -> None:
+        """A taken batch the caller could not record: it is flushed on its own now."""
+        if batch:
+            self._pending[:0] = batch
+            self._start_flush()
+
+    @staticmethod
+    def settle(
+        batch: list[tuple[Completion, asyncio.Future[Dispatch]]],
+        results: Sequence[Dispatch | Exception] | Exception,
+    ) -> None:
+        """Hand each run of a taken batch its result: its row, its lease conflict, or the
+        store's failure (one exception for the whole batch)."""
+        outcomes = [results] * len(batch) if isinstance(results, Exception) else results
+        for (_, future), result in zip(batch, outcomes, strict=True):
+            if future.done():  # its run was cancelled meanwhile
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _start_flush(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    def _carry_timed_out(self) -> None:
+        self._fallback = None
+        if self._pending:
+            self._start_flush()
+
+    def _cancel_fallback(self) -> None:
+        if self._fallback is not None:
+            self._fallback.cancel()
+            self._fallback = None
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # the outcomes of this turn of the loop join the batch
         while self._pending:
-            batch = self._pending[:MAX_COMPLETION_BATCH]
-            del self._pending[:MAX_COMPLETION_BATCH]
-            results: list[Dispatch | Exception]
+            batch = self.take()
             try:
                 recorded = await asyncio.to_thread(
                     self.queue.complete_batch,
                     [completion for completion, _ in batch],
                     max_concurrent=self.max_concurrent,
                 )
-                results = list(recorded)
             except Exception as exc:  # handed to every run of the batch, which logs it
-                results = [exc] * len(batch)
-            for (_, future), result in zip(batch, results, strict=True):
-                if future.done():  # its run was cancelled meanwhile
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                self.settle(batch, exc)
+            else:
+                self.settle(batch, list(recorded))
 
 
 class _CancelFlag:
@@ -248,7 +307,8 @@ class DispatchExecutor:
         self.worker_id = worker_id
         self._cancels: dict[str, _CancelFlag] = {}
         self._watches: set[_Watch] = set()
-        self._completions = CompletionBuffer(queue, config.max_concurrent)
+        self.completions = CompletionBuffer(queue, config.max_concurrent)
+        """Where outcomes wait to be recorded (a Worker's claims carry them)."""
         self.notifier = DispatchNotifier(config.notify, config.store) if config.notify else None
         """Tells the config's `notify:` webhooks about failed dispatches."""
 
@@ -360,7 +420,7 @@ class DispatchExecutor:
         else:
             status = ExecutionStatus.FAILED
         try:
-            await self._completions.complete(
+            await self.completions.complete(
                 Completion(
                     dispatch_id=dispatch.dispatch_id,
                     worker_id=self.worker_id,

@@ -19,8 +19,11 @@ delete the slots above the cap as they are freed). One window stays, as it did w
 counted leases: a worker whose heartbeat comes after its lease ran out renews its dispatch even
 if the slot went to another dispatch meanwhile, so that run is outside the cap until it ends.
 The claim reads partial indexes over pending and running rows, so its cost does not grow with
-the finished history. Outcomes are recorded a batch per statement (`complete_batch`) on a second
-connection, so a worker's next claim does not wait behind them.
+the finished history. A worker's outcomes travel with its next claim (`complete_and_claim`, a
+second function: the outcomes recorded and their slots freed, then the claim, offered those
+slots, in one call); outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
+per statement (`complete_batch`) on a second connection. Both functions plan their statements
+generically from the first call: every row they touch is found by its key.
 
 All workers of a kernel use the same cap (its config) and this protocol: opening the store
 installs the slots (held ones for the dispatches already running) and drops the previous claim
@@ -155,18 +158,20 @@ def _claimable(condition: str) -> str:
 # cancelled), then the claimed ones. The planner settings: a kernel's slots are made at its
 # first claim, usually after the last ANALYZE saw none, and a plan costed for an empty table
 # scans all of them; every row here is meant to be found by its key.
-_CLAIM_DDL = f"""
-CREATE OR REPLACE FUNCTION {_CLAIM_FUNCTION}(
+def _claim_ddl(name: str, extra_params: str = "", first: str = "") -> str:
+    """The claim function `name` (see above), running `first` (statements) before it claims."""
+    return f"""
+CREATE OR REPLACE FUNCTION {name}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
-    p_cancelled text, p_limit integer)
+    p_cancelled text, p_limit integer{extra_params})
 RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
-SET enable_bitmapscan = off AS $fn$
+SET enable_bitmapscan = off SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     reaped {TABLE};
     top integer;
     room integer := p_limit;
-BEGIN
+BEGIN{first}
     FOR reaped IN
         UPDATE {TABLE} SET {reap_assignments(_p)}
         WHERE {reap_condition(_p)} AND dispatch_id IN (
@@ -210,6 +215,9 @@ BEGIN
     RETURNING t.*;
 END
 $fn$"""
+
+
+_CLAIM_DDL = _claim_ddl(_CLAIM_FUNCTION)
 _CLAIM = f"SELECT {COLS} FROM {_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s)"
 # The slot of each row a fenced update changed (`changed`, which returns the row's `slot`)
 # follows it: a renewed lease renews the slot, an end (no lease left) frees it, while the slot
@@ -249,14 +257,51 @@ changed AS (
     RETURNING t.*),{_SLOT_FOLLOWS}
 {_NOTIFY_IF_SLOT_AWAITED}"""
 
+_COMPLETE_AND_CLAIM_FUNCTION = "fsm_kernel_complete_and_claim"
+_COMPLETE_AND_CLAIM_SIGNATURE = (
+    f"{_COMPLETE_AND_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text, "
+    "integer, text[], integer[], text[], text[], text[], text[])"
+)
+# A worker's outcomes and its next claim in one call: each outcome fenced like `complete` (the
+# row still running under p_worker at that attempt) and its slot freed, then, in a statement
+# that sees those ends, the claim, which is offered the slots just freed. So an end wakes no
+# one: the worker that freed the slots takes them, and leaves them free only when nothing is
+# left to claim. Rows come back as the finished ones, then the claim's (reaped, claimed).
+_COMPLETE_AND_CLAIM_DDL = _claim_ddl(
+    _COMPLETE_AND_CLAIM_FUNCTION,
+    """, p_ids text[], p_attempts integer[], p_statuses text[],
+    p_run_ids text[], p_reasons text[], p_errors text[]""",
+    f"""
+    IF cardinality(p_ids) > 0 THEN
+        RETURN QUERY
+        WITH outcome AS (
+            SELECT * FROM unnest(p_ids, p_attempts, p_statuses, p_run_ids, p_reasons, p_errors)
+                AS o(dispatch_id, attempt, status, run_id, termination_reason, error)),
+        changed AS (
+            UPDATE {TABLE} AS t SET status = o.status, run_id = o.run_id,
+                termination_reason = o.termination_reason, error = o.error,
+                finished_at = p_now, lease_expires_at = NULL
+            FROM outcome AS o
+            WHERE t.dispatch_id = o.dispatch_id AND t.status = 'running'
+                AND t.worker_id = p_worker AND t.attempts = o.attempt
+            RETURNING t.*),{_SLOT_FOLLOWS}
+        SELECT * FROM changed;
+    END IF;""",
+)
+_COMPLETE_AND_CLAIM = (
+    f"SELECT {COLS} FROM {_COMPLETE_AND_CLAIM_FUNCTION}"
+    "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
 
 class PostgresDispatchQueue(SqlDispatchQueue):
     """The dispatch queue in PostgreSQL (psycopg 3). One connection per instance, guarded by a
     lock so the engine's threads can share it; reconnects after a connection failure.
 
-    Enqueues, ends and cancel requests NOTIFY (see the module's docstring); `complete` NOTIFYs
-    `ended` only when the end frees a slot someone may be waiting for: the kernel was at
-    `max_concurrent` with dispatches pending (always, when it is not given)."""
+    Enqueues, ends and cancel requests NOTIFY (see the module's docstring); `complete` and
+    `complete_batch` NOTIFY `ended` only when the end frees a slot someone may be waiting for:
+    the kernel was at `max_concurrent` with dispatches pending (always, when it is not given).
+    `complete_and_claim` never does: its own claim is offered the slots its ends free."""
 
     dialect = POSTGRES
     _unique_violations = (psycopg.errors.UniqueViolation,)
@@ -288,9 +333,46 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         expires = now + timedelta(seconds=lease_seconds)
         params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
-            rows = [Dispatch.from_row(r) for r in conn.execute(_CLAIM, params).fetchall()]
+            rows = [
+                Dispatch.from_row(r) for r in conn.execute(_CLAIM, params, prepare=True).fetchall()
+            ]
         log_reaped([d for d in rows if d.status is not DispatchStatus.RUNNING])
         return in_claim_order([d for d in rows if d.status is DispatchStatus.RUNNING])
+
+    def complete_and_claim(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+        """One call of the server-side function: the outcomes travel as arrays; a row they did
+        not change (a lost lease) is read back for its conflict."""
+        now = self.clock.now()
+        expires = now + timedelta(seconds=lease_seconds)
+        outcomes = [
+            [getattr(c, name) for c in completions]
+            for name in ("dispatch_id", "attempt", "status", "run_id", "termination_reason")
+        ]
+        outcomes[2] = [validate_final_status(status).value for status in outcomes[2]]
+        errors = [c.error for c in completions]
+        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
+        with self._session() as conn:
+            rows = conn.execute(  # prepared at once: a worker calls it every batch
+                _COMPLETE_AND_CLAIM, (*params, *outcomes, errors), prepare=True
+            ).fetchall()
+            done, reaped, claimed = _sorted_rows(rows, completions, worker_id)
+            lost = [c.dispatch_id for c in completions if c.dispatch_id not in done]
+            current = self._current(conn, lost) if lost else {}
+        log_reaped(reaped)
+        results = [
+            done.get(c.dispatch_id)
+            or lease_conflict(c.dispatch_id, worker_id, current.get(c.dispatch_id))
+            for c in completions
+        ]
+        return results, in_claim_order(claimed)
 
     def complete_batch(
         self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
@@ -314,17 +396,18 @@ class PostgresDispatchQueue(SqlDispatchQueue):
             rows = conn.execute(_COMPLETE_BATCH, params).fetchall()
             done = {row["dispatch_id"]: Dispatch.from_row(row) for row in rows}
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in done]
-            current: dict[str, Dispatch] = {}
-            if lost:
-                found = conn.execute(
-                    f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (lost,)
-                )
-                current = {row["dispatch_id"]: Dispatch.from_row(row) for row in found.fetchall()}
+            current = self._current(conn, lost) if lost else {}
         return [
             done.get(c.dispatch_id)
             or lease_conflict(c.dispatch_id, c.worker_id, current.get(c.dispatch_id))
             for c in completions
         ]
+
+    @staticmethod
+    def _current(conn: Executor, ids: builtins.list[str]) -> dict[str, Dispatch]:
+        """The rows of these dispatches as they are now, keyed by id (for conflict messages)."""
+        found = conn.execute(f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (ids,))
+        return {row["dispatch_id"]: Dispatch.from_row(row) for row in found.fetchall()}
 
     def listener(self, kernel_id: str) -> PostgresDispatchListener:
         return PostgresDispatchListener(self.dsn, kernel_id)
@@ -337,13 +420,17 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         """The slots and the claim function, once (again after the dispatch table, and the
         function with it, was dropped): the slots are made anew from the running dispatches,
         and the advisory-lock claim function goes."""
-        found = conn.execute("SELECT to_regprocedure(%s) AS f", (_CLAIM_SIGNATURE,))
-        if (row := found.fetchone()) is not None and row["f"] is not None:
-            return
-        for statement in (*_SLOTS_DDL, *_SEED_SLOTS):
-            conn.execute(statement)
-        conn.execute(_CLAIM_DDL)
-        conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
+        found = conn.execute(
+            "SELECT to_regprocedure(%s) AS claim, to_regprocedure(%s) AS combined",
+            (_CLAIM_SIGNATURE, _COMPLETE_AND_CLAIM_SIGNATURE),
+        ).fetchone()
+        if found is None or found["claim"] is None:
+            for statement in (*_SLOTS_DDL, *_SEED_SLOTS):
+                conn.execute(statement)
+            conn.execute(_CLAIM_DDL)
+            conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
+        if found is None or found["combined"] is None:
+            conn.execute(_COMPLETE_AND_CLAIM_DDL)
 
     def _fenced_sql(
         self, sql: str, params: tuple[Any, ...], notify: tuple[int | None, datetime] | None
@@ -367,6 +454,27 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     _read = _session
     """Autocommit: each statement is its own (implicit) transaction, a single round trip."""
     _write = _session
+
+
+def _sorted_rows(
+    rows: builtins.list[Any], completions: builtins.list[Completion], worker_id: str
+) -> tuple[dict[str, Dispatch], builtins.list[Dispatch], builtins.list[Dispatch]]:
+    """complete_and_claim's rows as the outcomes recorded (by id), the reaped dispatches and the
+    claimed ones. A recorded outcome is its own attempt's row, ended; a reaped row is another
+    worker's or attempt's (the outcome of this one, still running, would have ended it first)."""
+    attempts = {c.dispatch_id: c.attempt for c in completions}
+    done: dict[str, Dispatch] = {}
+    reaped: builtins.list[Dispatch] = []
+    claimed: builtins.list[Dispatch] = []
+    for row in rows:
+        d = Dispatch.from_row(row)
+        if d.status is DispatchStatus.RUNNING:
+            claimed.append(d)
+        elif attempts.get(d.dispatch_id) == d.attempts and d.worker_id == worker_id:
+            done[d.dispatch_id] = d
+        else:
+            reaped.append(d)
+    return done, reaped, claimed
 
 
 class _Link:

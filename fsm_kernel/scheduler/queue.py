@@ -306,6 +306,22 @@ class DispatchQueue(Protocol):
         recorded."""
         ...
 
+    def complete_and_claim(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+        """`complete_batch` of a worker's outcomes (each fenced; all by `worker_id`), then
+        `claim_batch`, in one transaction (PostgreSQL: one statement, one round trip): the
+        slots the outcomes free are offered to the claim, so no end needs to wake anyone.
+        Returns the outcomes' results, in order, and the claimed dispatches, best first.
+        StoreError if the store failed: nothing was recorded or claimed."""
+        ...
+
     def settle_waiting(
         self,
         run_id: str,

@@ -14,10 +14,10 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from fsm_kernel.errors import StoreError
+from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.protocol import Clock, SystemClock
 from fsm_kernel.scheduler._queue_sql import (
     RETURNING,
@@ -27,7 +27,13 @@ from fsm_kernel.scheduler._queue_sql import (
     live_count,
     sqlite_ts,
 )
-from fsm_kernel.scheduler.queue import CANCELLED_EXPIRED, Dispatch, DispatchListener, log_reaped
+from fsm_kernel.scheduler.queue import (
+    CANCELLED_EXPIRED,
+    Completion,
+    Dispatch,
+    DispatchListener,
+    log_reaped,
+)
 from fsm_kernel.store.sqlite import enable_wal
 
 __all__ = ["SqliteDispatchQueue"]
@@ -72,6 +78,43 @@ class SqliteDispatchQueue(SqlDispatchQueue):
         """Reap, count the live leases, claim what the room allows: one transaction under the
         writer lock, so no other claim interleaves."""
         now = self.clock.now()
+        with self._transaction() as conn:
+            reaped, claimed = self._claim_on(
+                conn, now, kernel_id, worker_id, lease_seconds, max_concurrent, limit
+            )
+        log_reaped(reaped)
+        return claimed
+
+    def complete_and_claim(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+        """The outcomes' fenced updates, then the claim, in one transaction (one commit)."""
+        now = self.clock.now()
+        with self._transaction() as conn:
+            results = self._complete_on(conn, completions, None, now)
+            reaped, claimed = self._claim_on(
+                conn, now, kernel_id, worker_id, lease_seconds, max_concurrent, limit
+            )
+        log_reaped(reaped)
+        return results, claimed
+
+    def _claim_on(
+        self,
+        conn: sqlite3.Connection,
+        now: datetime,
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[Dispatch], builtins.list[Dispatch]]:
+        """The reaped and the claimed dispatches, inside the caller's write transaction."""
         params: dict[str, object] = {
             "worker": worker_id,
             "expires": _ts(now + timedelta(seconds=lease_seconds)),
@@ -79,13 +122,11 @@ class SqliteDispatchQueue(SqlDispatchQueue):
             "kernel": kernel_id,
             "cancelled": CANCELLED_EXPIRED,
         }
-        with self._transaction() as conn:
-            reaped = [Dispatch.from_row(r) for r in conn.execute(_REAP, params).fetchall()]
-            running = int(conn.execute(_LIVE, params).fetchone()["n"])
-            room = min(limit, max_concurrent - running)
-            rows = conn.execute(_CLAIM, {**params, "limit": room}).fetchall() if room > 0 else []
-        log_reaped(reaped)
-        return in_claim_order([Dispatch.from_row(row) for row in rows])
+        reaped = [Dispatch.from_row(r) for r in conn.execute(_REAP, params).fetchall()]
+        running = int(conn.execute(_LIVE, params).fetchone()["n"])
+        room = min(limit, max_concurrent - running)
+        rows = conn.execute(_CLAIM, {**params, "limit": room}).fetchall() if room > 0 else []
+        return reaped, in_claim_order([Dispatch.from_row(row) for row in rows])
 
     def listener(self, kernel_id: str) -> DispatchListener | None:
         return None  # SQLite has no notifications: workers poll

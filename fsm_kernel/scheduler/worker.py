@@ -2,9 +2,18 @@
 (on several hosts, with a PostgreSQL store) to spread the load; the queue keeps the fleet under
 `max_concurrent` and reclaims the dispatches of a worker that died once their lease expires.
 
+A worker's claim records the outcomes of its runs that ended since the previous claim, in the
+same statement (`complete_and_claim`): one round trip, one commit and one thread hop per batch.
+A run learns its outcome is recorded only once that statement committed; until then the
+dispatch runs under the worker's lease, so a worker that dies with outcomes waiting has
+recorded none of them and their dispatches run again once the leases expire (as a run cut off
+mid-way does); one reported recorded never runs again. Outcomes no claim takes within
+`CARRY_SECONDS` (0.1 s), and those left when the worker stops, are recorded on their own.
+
 An idle worker looks at the queue every `poll_seconds`; on PostgreSQL it also LISTENs, so an
-enqueue or the end of a dispatch (a free slot) wakes it at once, and a cancel request reaches
-the run it concerns at once instead of at the next heartbeat.
+enqueue or the end of a dispatch elsewhere (a free slot) wakes it at once, and a cancel request
+reaches the run it concerns at once instead of at the next heartbeat. A worker whose claim came
+back short waits for one of those (or its own runs' ends), never polling faster.
 """
 
 from __future__ import annotations
@@ -114,6 +123,14 @@ class Worker:
             logger.info("worker %s stopped", self.worker_id)
 
     async def _loop(self) -> None:
+        self._executor.completions.carry(True)  # each claim records the outcomes before it
+        try:
+            await self._claim_until_stopped()
+        finally:
+            self._executor.completions.carry(False)  # the last ones: no claim comes for them
+        await asyncio.gather(*self._in_flight)
+
+    async def _claim_until_stopped(self) -> None:
         while not self.stopping:
             self._changed.clear()  # from now on, a change means: look again
             free = self.concurrency - len(self._busy)
@@ -125,7 +142,6 @@ class Worker:
                 self._start(dispatch)
             if len(claimed) < free:  # the queue (or the fleet's cap) had no more for now
                 await self._wait()
-        await asyncio.gather(*self._in_flight)
 
     async def _pump(self, listener: DispatchListener) -> None:
         """Turn the listener's signals into wake-ups and cancel requests."""
@@ -141,11 +157,15 @@ class Worker:
 
     async def _claim(self, free: int) -> list[Dispatch]:
         """As many dispatches as there are free slots (fewer if the fleet's cap or the queue
-        has fewer), in one call: one thread hop and one statement per batch."""
+        has fewer), in one call that first records the outcomes waiting to be: one thread hop
+        and one statement per batch. If the call fails (nothing recorded), those outcomes are
+        given back to be recorded on their own."""
         config = self.config
+        carried = self._executor.completions.take()
         try:
-            return await asyncio.to_thread(
-                self.queue.claim_batch,
+            results, claimed = await asyncio.to_thread(
+                self.queue.complete_and_claim,
+                [completion for completion, _ in carried],
                 config.kernel_id,
                 self.worker_id,
                 config.lease_seconds,
@@ -154,7 +174,13 @@ class Worker:
             )
         except StoreError as exc:
             logger.warning("worker %s: claim failed, retrying: %s", self.worker_id, exc)
+            self._executor.completions.give_back(carried)
             return []
+        except BaseException:
+            self._executor.completions.give_back(carried)
+            raise
+        self._executor.completions.settle(carried, results)
+        return claimed
 
     def _start(self, dispatch: Dispatch) -> None:
         self._busy.add(dispatch.dispatch_id)

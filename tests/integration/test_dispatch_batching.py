@@ -7,6 +7,9 @@
 - A worker SIGKILLed holding a batch loses nothing and runs nothing twice: once the leases
   expire another worker runs each dispatch once, and the dead worker's late outcomes are
   refused (fenced by worker and attempt).
+- A worker SIGKILLed with outcomes buffered (waiting for the claim that records them) reruns
+  only those: the outcomes it reported recorded are in the store and never run again.
+- A claim records the outcomes before it and is offered the slots they free, in one call.
 - The attempt limit and cancellation act on dispatches claimed in a batch.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -129,6 +133,43 @@ def test_a_batch_is_the_best_dispatches_first_and_never_more_than_asked(
     assert [d.dispatch_id for d in queue.claim_batch(KERNEL, "w", 60, 5, 10)] == ids[2:4]
 
 
+def test_complete_and_claim_records_the_outcomes_then_claims_into_the_slots_they_free(
+    queue: DispatchQueue,
+) -> None:
+    a, b, c, d, e = enqueue(queue, 5)
+    assert [x.dispatch_id for x in queue.claim_batch(KERNEL, "w", 60, 2, 2)] == [a, b]
+    assert queue.complete_and_claim([], KERNEL, "w", 60, 2, 2) == ([], [])  # the cap is full
+    outcome_a = Completion(
+        dispatch_id=a, worker_id="w", attempt=1, status=DispatchStatus.FAILED, error="E: boom"
+    )
+    results, claimed = queue.complete_and_claim(
+        [outcome_a, done("w", b, 2)],  # b's outcome names an attempt this worker does not hold
+        KERNEL,
+        "w",
+        60,
+        2,
+        2,
+    )
+    assert not isinstance(results[0], Exception)
+    assert (results[0].dispatch_id, results[0].status, results[0].error) == (
+        a,
+        DispatchStatus.FAILED,
+        "E: boom",
+    )
+    assert isinstance(results[1], StoreConflictError)
+    assert f"worker w no longer holds dispatch {b}" in str(results[1])
+    # a's end freed one slot and the same call took it; b still holds the other.
+    assert [(x.dispatch_id, x.status, x.attempts) for x in claimed] == [
+        (c, DispatchStatus.RUNNING, 1)
+    ]
+    assert queue.get(b).status is DispatchStatus.RUNNING  # type: ignore[union-attr]
+    results, claimed = queue.complete_and_claim(
+        [done("w", b, 1), done("w", c, 1)], KERNEL, "w", 60, 2, 5
+    )
+    assert [r.status for r in results if not isinstance(r, Exception)] == [DispatchStatus.DONE] * 2
+    assert [x.dispatch_id for x in claimed] == [d, e]
+
+
 def test_complete_batch_records_each_outcome_and_fences_each_lost_lease(
     queue: DispatchQueue,
 ) -> None:
@@ -187,6 +228,64 @@ def test_the_attempt_limit_acts_on_batched_claims(store: str) -> None:
         assert row is not None
         assert (row.status, row.attempts, row.worker_id) == (DispatchStatus.FAILED, 2, "alive")
         assert row.error == "abandoned after 2 attempts: lease expired"
+
+
+@pytest.mark.postgres
+def test_a_worker_killed_with_outcomes_buffered_reruns_only_what_it_never_recorded(
+    pg_store: str, tmp_path: Path
+) -> None:
+    """A buffered outcome promises nothing until its run reports it recorded: the worker
+    killed with two outcomes waiting for a claim that never reached the store recorded
+    neither, so those two run again; the two it reported recorded never run again."""
+    queue = open_queue(pg_store)
+    fleet = Fleet(pg_store, tmp_path, agents=6, max_concurrent=6, lease=1.0)
+    try:
+        ids = enqueue(queue, 6)
+        # Claim 1 takes agent0-1; claim 2 records them and takes agent2-3; claim 3, carrying
+        # agent2-3's outcomes, stalls before it reaches the store.
+        doomed = fleet.start("doomed", "--concurrency=2", "--stall-after-calls=2")
+        wait_for(
+            queue,
+            "two outcomes recorded and two more buffered",
+            lambda: sum(e[1] == "end" for e in fleet.events()) == 4,
+        )
+        time.sleep(0.3)  # nothing else happens: the worker is stuck in its third claim
+        before_kill = fleet.events()
+        doomed.kill()
+        doomed.wait(10)
+        fleet.start("rescuer", "--concurrency=2")
+        wait_for(
+            queue,
+            "every dispatch done",
+            lambda: all(queue.get(d).status is DispatchStatus.DONE for d in ids),  # type: ignore[union-attr]
+        )
+        fleet.stop_all()
+        rows = {d: queue.get(d) for d in ids}
+    finally:
+        fleet.kill_leftovers()
+        queue.close()
+    recorded = sorted(agent for _, kind, agent, w in before_kill if kind == "recorded")
+    assert recorded == ["agent0", "agent1"]
+    starts = sorted((agent, w) for _, kind, agent, w in fleet.events() if kind == "start")
+    assert starts == [
+        ("agent0", "doomed"),
+        ("agent1", "doomed"),
+        ("agent2", "doomed"),
+        ("agent2", "rescuer"),  # ran, but its outcome never reached the store
+        ("agent3", "doomed"),
+        ("agent3", "rescuer"),
+        ("agent4", "rescuer"),
+        ("agent5", "rescuer"),
+    ]
+    owners = [(r.agent_id, r.worker_id, r.attempts) for r in rows.values() if r is not None]
+    assert sorted(owners) == [
+        ("agent0", "doomed", 1),
+        ("agent1", "doomed", 1),
+        ("agent2", "rescuer", 2),
+        ("agent3", "rescuer", 2),
+        ("agent4", "rescuer", 1),
+        ("agent5", "rescuer", 1),
+    ]
 
 
 def test_cancel_stops_one_run_of_a_batch_and_leaves_the_others(
@@ -316,7 +415,7 @@ def test_a_worker_killed_holding_a_batch_loses_nothing_and_runs_nothing_twice(
     assert starts == [*[("doomed", a) for a in agents], *[("rescuer", a) for a in agents]]
 
 
-def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: Path) -> None:
+def test_a_worker_claims_and_records_by_the_batch_in_one_call_per_batch(tmp_path: Path) -> None:
     from fsm_kernel.scheduler import SqliteDispatchQueue
 
     class CountingQueue(SqliteDispatchQueue):
@@ -324,14 +423,18 @@ def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: 
             super().__init__(path)
             self.claims: list[int] = []
             self.completions: list[int] = []
+            """Outcomes carried by each claim."""
+            self.alone: list[int] = []
+            """Outcomes recorded on their own (complete_batch)."""
 
-        def claim_batch(self, *args: Any, **kwargs: Any) -> Any:
-            claimed = super().claim_batch(*args, **kwargs)
+        def complete_and_claim(self, completions: Any, *args: Any) -> Any:
+            results, claimed = super().complete_and_claim(completions, *args)
             self.claims.append(len(claimed))
-            return claimed
+            self.completions.append(len(completions))
+            return results, claimed
 
         def complete_batch(self, completions: Any, **kwargs: Any) -> Any:
-            self.completions.append(len(completions))
+            self.alone.append(len(completions))
             return super().complete_batch(completions, **kwargs)
 
     store = str(tmp_path / "queue.db")
@@ -360,5 +463,6 @@ def test_a_worker_claims_and_records_by_the_batch_not_by_the_dispatch(tmp_path: 
     assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
     assert all(d.status is DispatchStatus.DONE for d in rows)
     assert [n for n in queue.claims if n][:4] == [5, 5, 5, 5]  # the free slots, each time
-    assert len(queue.completions) <= 8  # 20 outcomes, recorded a batch at a time
-    assert max(queue.completions) >= 3
+    # Each batch's outcomes were recorded by the claim that took the next batch, none alone.
+    assert [n for n in queue.completions if n] == [5, 5, 5, 5]
+    assert queue.alone == []

@@ -8,7 +8,9 @@ beyond the claims the other dispatch tests race.
 - Opening a store of the advisory-lock protocol gives its running dispatches slots (the cap
   counts them at once) and drops that protocol's claim function, so an older worker still
   running fails its claims instead of claiming outside the slots.
-- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full.
+- A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full; ends
+  recorded by a worker's claim (`complete_and_claim`) wake no one: that claim takes the slots
+  they free. Its rows tell the outcomes it recorded from the dispatches it reaped.
 """
 
 from __future__ import annotations
@@ -186,3 +188,55 @@ def test_a_batch_of_ends_wakes_workers_only_when_the_cap_was_full(
     ]
     sent = ended_signals(url, lambda: queue.complete_batch(outcomes, max_concurrent=2))
     assert sorted(sent) == sorted(d.dispatch_id for d in full)
+
+
+def test_ends_recorded_by_a_claim_wake_no_one_and_refill_the_slots_they_free(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, b, c = enqueue(queue, clock, "a", "b", "c")
+    full = queue.claim_batch(K, "w", 60, 2, 2)  # the cap of 2 full, c pending
+    outcomes = [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=1, status="done") for d in full
+    ]
+    got: list[Any] = []
+    sent = ended_signals(
+        url, lambda: got.append(queue.complete_and_claim(outcomes, K, "w", 60, 2, 2))
+    )
+    results, claimed = got[0]
+    assert sent == []  # the claim that freed the slots took what there was to take
+    assert [(r.dispatch_id, r.status.value) for r in results] == [
+        (a.dispatch_id, "done"),
+        (b.dispatch_id, "done"),
+    ]
+    assert [d.dispatch_id for d in claimed] == [c.dispatch_id]
+    held = sql(
+        url,
+        f"SELECT dispatch_id FROM kernel_dispatch_slots WHERE kernel_id = '{K}' "
+        "AND dispatch_id IS NOT NULL",
+    )
+    assert [row["dispatch_id"] for row in held] == [c.dispatch_id]
+
+
+def test_a_claim_that_records_outcomes_tells_them_from_the_dispatches_it_reaps(
+    queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    doomed = queue.enqueue(K, "x", "p", 0, None, max_attempts=1)
+    assert doomed is not None
+    clock.advance(1)
+    (mine,) = enqueue(queue, clock, "a")
+    (pending,) = enqueue(queue, clock, "b")
+    assert [d.dispatch_id for d in queue.claim_batch(K, "other", 10, 10, 1)] == [doomed.dispatch_id]
+    assert [d.dispatch_id for d in queue.claim_batch(K, "w", 1000, 10, 1)] == [mine.dispatch_id]
+    clock.advance(20)  # the other worker's lease ran out on its only attempt
+    outcome = Completion(dispatch_id=mine.dispatch_id, worker_id="w", attempt=1, status="done")
+    results, claimed = queue.complete_and_claim([outcome], K, "w", 60, 10, 5)
+    assert [(r.dispatch_id, r.status.value, r.worker_id) for r in results] == [
+        (mine.dispatch_id, "done", "w")
+    ]
+    assert [d.dispatch_id for d in claimed] == [pending.dispatch_id]
+    reaped = queue.get(doomed.dispatch_id)
+    assert reaped is not None
+    assert (reaped.status.value, reaped.error) == (
+        "failed",
+        "abandoned after 1 attempt: lease expired",
+    )

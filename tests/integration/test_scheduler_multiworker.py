@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ from fsm_kernel.scheduler import (
     Worker,
     open_queue,
 )
+from fsm_kernel.scheduler.executor import DispatchDetail, ExecutionStatus
 from tests.unit.test_scheduler_fakes import pg_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +60,12 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--run-seconds", type=float, default=0.1)
     parser.add_argument("--hang", action="append", default=[])
     parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument(
+        "--stall-after-calls",
+        type=int,
+        default=None,
+        help="the claims after this many (and any outcome recorded alone) never reach the store",
+    )
     args = parser.parse_args(argv)
     config = fleet_config(
         args.store, args.agents, max_concurrent=args.max_concurrent, lease=args.lease
@@ -75,8 +83,14 @@ def worker_main(argv: list[str]) -> None:
         note("end", agent.agent_id)
         return RunOutcome(ok=True, run_id=f"{args.worker_id}:{agent.agent_id}")
 
+    def recorded(detail: DispatchDetail) -> None:
+        if detail.status is ExecutionStatus.DONE:  # its outcome committed
+            note("recorded", detail.agent_id)
+
     async def serve() -> None:
         queue = open_queue(args.store)
+        if args.stall_after_calls is not None:
+            stall(queue, args.stall_after_calls)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         worker = Worker(
@@ -86,6 +100,7 @@ def worker_main(argv: list[str]) -> None:
             worker_id=args.worker_id,
             concurrency=args.concurrency,
             poll_seconds=0.05,
+            on_result=recorded,
         )
         note("ready", "-")
         try:
@@ -94,6 +109,29 @@ def worker_main(argv: list[str]) -> None:
             queue.close()
 
     asyncio.run(serve())
+
+
+def stall(queue: Any, calls: int) -> None:
+    """Let `calls` claims through, then block every later call that records or claims (in its
+    thread, before it reaches the store): a worker frozen with its outcomes buffered."""
+    left = [calls]
+    claim, alone = queue.complete_and_claim, queue.complete_batch
+
+    def gate() -> None:
+        if left[0] <= 0:
+            time.sleep(3600)
+        left[0] -= 1
+
+    def complete_and_claim(*a: Any, **k: Any) -> Any:
+        gate()
+        return claim(*a, **k)
+
+    def complete_batch(*a: Any, **k: Any) -> Any:
+        left[0] = 0
+        gate()
+        return alone(*a, **k)
+
+    queue.complete_and_claim, queue.complete_batch = complete_and_claim, complete_batch
 
 
 class Fleet:

@@ -156,11 +156,11 @@ def test_cancelling_the_worker_abandons_its_runs(
 class FlakyClaimQueue(SqliteDispatchQueue):
     failures = 2
 
-    def claim_batch(self, *args: Any, **kwargs: Any) -> Any:
+    def complete_and_claim(self, *args: Any, **kwargs: Any) -> Any:
         if self.failures:
             self.failures -= 1
             raise StoreError("connection refused")
-        return super().claim_batch(*args, **kwargs)
+        return super().complete_and_claim(*args, **kwargs)
 
 
 def test_claim_failures_are_retried(tmp_path: Path, clock: FakeClock) -> None:
