@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from fsm_kernel.agent.transport import OneShotTransport, proxies_in_environment
 from fsm_kernel.agent.wire import (
     SseDecoder,
     SseEvent,
@@ -206,7 +207,7 @@ class HttpChatModel:
             auth=auth,
             headers=_headers(settings.api_key),
             timeout=_timeout(settings),
-            transport=transport,
+            transport=transport or _one_shot_transport(),
             verify=_ssl_context(),
             follow_redirects=True,
             # No pooled connection outlives a call: the Kernel's run_sync and the scheduler may
@@ -782,6 +783,12 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _ssl_context() -> ssl.SSLContext:
     # httpx would build (and load the CA bundle into) a new context per client: ~0.1 s each.
     return httpx.create_ssl_context()
+
+
+def _one_shot_transport() -> OneShotTransport | None:
+    """A connection per request without httpcore's pool (see agent/transport.py); None, httpx's
+    own transport, when the environment names a proxy, which httpx then mounts."""
+    return None if proxies_in_environment() else OneShotTransport(_ssl_context())
 
 
 def _timeout(settings: AgentSettings) -> httpx.Timeout:
