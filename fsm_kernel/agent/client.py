@@ -355,15 +355,16 @@ class HttpChatModel:
         self, payload: dict[str, Any], attempt: int, progress: _Progress
     ) -> Completion:
         streams = self._streams
-        logger.debug(
-            "POST %s model=%s messages=%d tools=%d attempt=%d stream=%s",
-            redact(self._url),
-            payload["model"],
-            len(payload["messages"]),
-            len(payload.get("tools", ())),
-            attempt + 1,
-            streams,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the URL's redaction costs, every call
+            logger.debug(
+                "POST %s model=%s messages=%d tools=%d attempt=%d stream=%s",
+                redact(self._url),
+                payload["model"],
+                len(payload["messages"]),
+                len(payload.get("tools", ())),
+                attempt + 1,
+                streams,
+            )
         if not streams:
             return await self._exchange(payload, progress)
         streaming = {**payload, "stream": True, "stream_options": {"include_usage": True}}

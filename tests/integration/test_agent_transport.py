@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -229,3 +231,26 @@ def test_closing_the_transport_closes_a_response_still_open() -> None:
             assert rec.closed_by_client == 1
 
     asyncio.run(go())
+
+
+def test_the_debug_line_of_each_request_is_logged_only_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def ask() -> None:
+        async with server(Recorder()) as url:
+            settings = AgentSettings(base_url=url, model="m", stream=False)
+            async with HttpChatModel(settings) as model:
+                await model.complete([Message.user("hi")], [])
+
+    with caplog.at_level(logging.INFO, logger="fsm_kernel.agent.client"):
+        asyncio.run(ask())
+    assert not [r for r in caplog.records if r.getMessage().startswith("POST ")]
+    with caplog.at_level(logging.DEBUG, logger="fsm_kernel.agent.client"):
+        asyncio.run(ask())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST ")]
+    assert len(lines) == 1
+    assert re.fullmatch(
+        r"POST http://127\.0\.0\.1:\d+/v1/chat/completions model=m messages=1 tools=0 "
+        r"attempt=1 stream=False",
+        lines[0],
+    )
