@@ -55,7 +55,13 @@ async def _serve_one(
     body = await reader.readexactly(length)
     port = writer.get_extra_info("sockname")[1]
     rec.requests.append((head + body).replace(f":{port}\r\n".encode(), b":PORT\r\n"))
-    await asyncio.sleep(rec.delay)
+    if rec.delay:  # a slow answer, unless the client gives up (closes) first
+        try:
+            if await asyncio.wait_for(reader.read(1), rec.delay) == b"":
+                rec.closed_by_client += 1
+                return
+        except TimeoutError:
+            pass
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(ANSWER)}\r\n\r\n".encode()
@@ -254,3 +260,19 @@ def test_the_debug_line_of_each_request_is_logged_only_at_debug(
         r"attempt=1 stream=False",
         lines[0],
     )
+
+
+def test_a_cancelled_request_leaves_no_connection_open() -> None:
+    async def go() -> None:
+        rec = Recorder(delay=5.0)
+        async with server(rec) as url:
+            transport = OneShotTransport(_ssl_context())
+            async with httpx.AsyncClient(transport=transport) as client:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await client.post(f"{url}/chat/completions", json={})
+                assert transport._open == set()
+                await _settle(rec, 1)
+                assert rec.closed_by_client == 1
+
+    asyncio.run(go())
