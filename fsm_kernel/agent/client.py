@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from fsm_kernel.agent.transport import OneShotTransport, proxies_in_environment
 from fsm_kernel.agent.wire import (
     SseDecoder,
     SseEvent,
@@ -206,7 +207,7 @@ class HttpChatModel:
             auth=auth,
             headers=_headers(settings.api_key),
             timeout=_timeout(settings),
-            transport=transport,
+            transport=transport or _one_shot_transport(),
             verify=_ssl_context(),
             follow_redirects=True,
             # No pooled connection outlives a call: the Kernel's run_sync and the scheduler may
@@ -354,15 +355,16 @@ class HttpChatModel:
         self, payload: dict[str, Any], attempt: int, progress: _Progress
     ) -> Completion:
         streams = self._streams
-        logger.debug(
-            "POST %s model=%s messages=%d tools=%d attempt=%d stream=%s",
-            redact(self._url),
-            payload["model"],
-            len(payload["messages"]),
-            len(payload.get("tools", ())),
-            attempt + 1,
-            streams,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the URL's redaction costs, every call
+            logger.debug(
+                "POST %s model=%s messages=%d tools=%d attempt=%d stream=%s",
+                redact(self._url),
+                payload["model"],
+                len(payload["messages"]),
+                len(payload.get("tools", ())),
+                attempt + 1,
+                streams,
+            )
         if not streams:
             return await self._exchange(payload, progress)
         streaming = {**payload, "stream": True, "stream_options": {"include_usage": True}}
@@ -782,6 +784,12 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _ssl_context() -> ssl.SSLContext:
     # httpx would build (and load the CA bundle into) a new context per client: ~0.1 s each.
     return httpx.create_ssl_context()
+
+
+def _one_shot_transport() -> OneShotTransport | None:
+    """A connection per request without httpcore's pool (see agent/transport.py); None, httpx's
+    own transport, when the environment names a proxy, which httpx then mounts."""
+    return None if proxies_in_environment() else OneShotTransport(_ssl_context())
 
 
 def _timeout(settings: AgentSettings) -> httpx.Timeout:
