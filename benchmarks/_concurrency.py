@@ -4,11 +4,14 @@
 
 MODE `raw`: RUNS asyncio tasks, each a minimal agent loop over one shared httpx.AsyncClient
 (as many connections as runs, one per request): POST the conversation, append the answer and
-the echo result, ITERATIONS times. MODE `fsm_memory` / `fsm_sqlite` / `fsm_sqlite_stream`:
-RUNS concurrent `Agent.run`s of the default workflow (plus the `echo` tool) on one Agent, no
-store or an SQLite store, plain answers (or streamed). Prints one JSON line: wall seconds,
-model requests, peak RSS. The clock starts after the imports (start-up is a part of its own):
-it times the runs, and the Agent's making (its workflow loaded and compiled).
+the echo result, ITERATIONS times. MODE `raw_oneshot`: the same on fsm-kernel's one-shot
+transport (a connection per request without httpcore's pool, as fsm-kernel's client uses),
+the leanest peer, so a ratio against it is the kernel's own cost. MODE `fsm_memory`,
+`fsm_sqlite`, `fsm_sqlite_stream`: RUNS concurrent `Agent.run`s of the default workflow (plus
+the `echo` tool) on one Agent, no store or an SQLite store, plain answers (or streamed).
+Prints one JSON line: wall seconds, model requests, peak RSS. The clock starts after the
+imports (start-up is a part of its own): it times the runs, and the Agent's making (its
+workflow loaded and compiled).
 """
 
 from __future__ import annotations
@@ -44,14 +47,24 @@ TOOLS = [
 ]
 
 
-async def raw(base_url: str, runs: int, iterations: int) -> int:
+async def raw(base_url: str, runs: int, iterations: int, *, one_shot: bool = False) -> int:
     import httpx
 
     # One connection per request, as fsm-kernel's client does, and as many as there are runs:
     # httpx's pool is slowest when requests queue for a connection or scan hundreds of idle
     # kept-alive ones (measured: 500 runs, 2,500 requests: 5 s this way, 34 s kept alive).
+    # `one_shot`: on fsm-kernel's own transport instead (a connection per request without
+    # httpcore's pool, which scans every open connection at each request's start and end):
+    # the leanest peer, so the ratio against it is the kernel's cost alone.
     limits = httpx.Limits(max_connections=runs, max_keepalive_connections=0)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    transport = None
+    if one_shot:
+        import ssl
+
+        from fsm_kernel.agent.transport import OneShotTransport
+
+        transport = OneShotTransport(ssl.create_default_context())
+    async with httpx.AsyncClient(limits=limits, timeout=120, transport=transport) as client:
 
         async def one(i: int) -> int:
             messages: list[dict[str, Any]] = [
@@ -103,7 +116,9 @@ async def fsm(base_url: str, runs: int, iterations: int, store: str | None, stre
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["raw", "fsm_memory", "fsm_sqlite", "fsm_sqlite_stream"])
+    parser.add_argument(
+        "mode", choices=["raw", "raw_oneshot", "fsm_memory", "fsm_sqlite", "fsm_sqlite_stream"]
+    )
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--runs", type=int, default=500)
     parser.add_argument("--iterations", type=int, default=5)
@@ -113,8 +128,8 @@ def main() -> int:
     if args.mode != "raw":
         import fsm_kernel.api  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="fsmk-conc-") as tmp:
-        if args.mode == "raw":
-            work = raw(args.base_url, args.runs, args.iterations)
+        if args.mode.startswith("raw"):
+            work = raw(args.base_url, args.runs, args.iterations, one_shot=args.mode != "raw")
         else:
             store = None if args.mode == "fsm_memory" else str(Path(tmp) / "runs.db")
             work = fsm(

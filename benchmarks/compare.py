@@ -27,7 +27,8 @@ Four parts (`--parts overhead,growth,concurrency,startup` picks some):
    the test suite's replies from a minimal asyncio server, since the thread-per-connection
    tests/fakes server, `--server tests` via _fake_llm.py, costs more CPU than the client);
    model calls per second of fsm-kernel (no store, SQLite; `Agent`, plain answers) against raw
-   httpx requests per second at the same concurrency (a minimal loop: _concurrency.py), and
+   httpx requests per second at the same concurrency (a minimal loop: _concurrency.py; the
+   target), and against the same loop on fsm-kernel's one-shot transport (its leanest peer), and
    the peak RSS of each process; medians over --conc-rounds.
 4. startup: wall time of `fsm-kernel --help` and `fsm-kernel validate workflows/default.yaml`
    (and of `python -c pass` for scale), median of --startup-runs.
@@ -411,12 +412,13 @@ def concurrency(
         for mode in modes
     }
     for mode in modes:
-        if mode != "raw":
-            ratios = [
-                s["per_second"] / r["per_second"]
-                for s, r in zip(samples[mode], samples["raw"], strict=True)
-            ]
-            results[mode]["ratio_to_raw"] = _median(ratios)
+        for peer in ("raw", "raw_oneshot"):
+            if mode.startswith("fsm") and peer in samples:
+                ratios = [
+                    s["per_second"] / r["per_second"]
+                    for s, r in zip(samples[mode], samples[peer], strict=True)
+                ]
+                results[mode][f"ratio_to_{peer}"] = _median(ratios)
     return {
         "server": server_kind,
         "runs": runs,
@@ -567,6 +569,8 @@ def print_report(report: dict[str, Any]) -> None:
         )
         for mode, e in co["results"].items():
             ratio = f"{e['ratio_to_raw']:.2f}x raw" if "ratio_to_raw" in e else ""
+            if "ratio_to_raw_oneshot" in e:
+                ratio += f", {e['ratio_to_raw_oneshot']:.2f}x raw on the one-shot transport"
             print(
                 f"  {mode:20} {e['per_second']:8,.0f} calls/s  {e['seconds']:6.2f} s  "
                 f"peak RSS {e['peak_rss_mib']:6.1f} MiB  {ratio}"
@@ -614,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--conc-iterations", type=int, default=5)
     parser.add_argument("--latency", type=float, default=0.05)
     parser.add_argument("--conc-rounds", type=int, default=3)
-    parser.add_argument("--conc-modes", default="raw,fsm_memory,fsm_sqlite")
+    parser.add_argument("--conc-modes", default="raw,raw_oneshot,fsm_memory,fsm_sqlite")
     parser.add_argument(
         "--server",
         choices=["asyncio", "tests"],
