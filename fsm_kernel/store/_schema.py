@@ -281,7 +281,7 @@ def plan_migrations(applied: Mapping[int, str], *, where: str) -> list[Migration
 
 def format_ts(ts: datetime) -> str:
     """UTC ISO-8601 with fixed microseconds, so text order is time order (SQLite, JSONL)."""
-    return ts.astimezone(UTC).isoformat(timespec="microseconds")
+    return (ts if ts.tzinfo is UTC else ts.astimezone(UTC)).isoformat(timespec="microseconds")
 
 
 def parse_ts(text: str) -> datetime:

@@ -776,3 +776,19 @@ def test_data_shared_by_events_is_encoded_once_and_stored_like_any_other(
     stored = {e.seq: e.data for e in store.read("r")}
     assert stored[2] == stored[3] == {"key": "tok-5521-secret", "n": [1, 2], "target": "act"}
     assert stored[5] == {"key": "[REDACTED]", "n": [1, 2], "target": "act"}
+
+
+def test_timestamps_are_stored_as_utc_text_whatever_their_offset() -> None:
+    from datetime import timezone
+
+    from fsm_kernel.store._schema import format_ts
+
+    plus_two = timezone(timedelta(hours=2))
+    assert (
+        format_ts(datetime(2026, 1, 1, 12, 0, tzinfo=plus_two))
+        == "2026-01-01T10:00:00.000000+00:00"
+    )
+    assert (
+        format_ts(datetime(2026, 1, 1, 12, 0, 5, 7, tzinfo=UTC))
+        == "2026-01-01T12:00:05.000007+00:00"
+    )
