@@ -79,9 +79,13 @@ class SqliteEventStore(SqlEventStore):
         """The WAL, opened at the first durable commit to sync it (see `_synced`)."""
         self.read_only = read_only
         connect = _connect_read_only if read_only else _connect
-        self._conn: sqlite3.Connection | None = connect(self.path, busy_timeout)
+        conn = connect(self.path, busy_timeout)
+        self._conn: sqlite3.Connection | None = conn
         self._migrate_or_close(read_only=read_only)
         self._presized = read_only or in_memory
+        self._wal = not self._presized and self._in_wal_mode(conn)
+        """The file is in WAL mode (set by `_configure`, kept while this connection is open):
+        the WAL is pre-sized and synced by this store; otherwise each commit syncs itself."""
         """The WAL has had its zeros (at the first commit: a store opened only to be read, by
         `runs list` say, writes nothing)."""
 
@@ -175,8 +179,7 @@ class SqliteEventStore(SqlEventStore):
         closes)."""
         fd = self._wal_fd
         if fd is None:
-            conn = self._conn
-            if conn is None or not self._in_wal_mode(conn):
+            if not self._wal:
                 return  # synchronous=FULL (see _configure): the commit synced itself
             wal = self.path.with_name(self.path.name + "-wal")
             try:
@@ -203,7 +206,7 @@ class SqliteEventStore(SqlEventStore):
         another connection holds the write lock; an error (a full disk, say) only costs the
         speed-up."""
         conn = self._conn
-        if conn is None or not self._in_wal_mode(conn):
+        if conn is None or not self._wal:
             return
         wal = self.path.with_name(self.path.name + "-wal")
         patient = not self._impatient  # an idle append's first commit left it at 0 already
