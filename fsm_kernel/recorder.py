@@ -109,13 +109,15 @@ class RunRecorder:
         disk with it. So a machine crash too loses nothing recorded before the last model or
         tool call started. Stores without the option sync every batch.
 
-        Where the commit is made: a relaxed batch goes to the store's `append_if_idle` on the
-        event loop when it has one (SQLite, JSONL: a local commit costs less than a thread
-        hand-off); a durable one too when this run writes alone to the store and the store's
-        syncs are fast (see `_Writer.alone` and the stores' SyncCost); anything else goes to
+        Where the commit is made: while this run writes alone to the store (see
+        `_Writer.alone`), a relaxed batch goes to the store's `append_if_idle` on the event
+        loop when it has one (SQLite, JSONL: a local commit costs less than a thread
+        hand-off), and a durable one too when the store's syncs are fast (the stores'
+        SyncCost). Anything else, every batch of runs that write together included, goes to
         the thread of the `_Writer` that the runs sharing the store on this loop write
-        through, which commits the batches that arrive together in one go (one sync for many
-        runs). A blocking append never runs on the loop: a PostgreSQL commit is a round trip.
+        through, which commits the batches that arrive together in one go (one transaction
+        and one sync for many runs). A blocking append never runs on the loop: a PostgreSQL
+        commit is a round trip.
 
         If the awaiting task is cancelled, the write still completes, and the next flush
         waits for it, so the log never has a gap or a reordering.
@@ -140,13 +142,19 @@ class RunRecorder:
 
     def _start(self, batch: list[Event], durable: bool) -> asyncio.Future[None] | None:
         """Start writing `batch` after every earlier one; its future, or None when it was
-        committed at once on the event loop: a relaxed local commit, or a durable one of a
-        run that writes alone to a store whose syncs are fast (no thread hand-off)."""
+        committed at once on the event loop: a run that writes alone commits there (a
+        relaxed local commit, or a durable one to a store whose syncs are fast: no thread
+        hand-off)."""
         writer = self._writer()
         alone = writer.alone(self.run_id)
         if self._settled():
-            if durable:
-                at_once = self._sync_if_idle if alone else None
+            # Runs that write together send every batch to the writer's thread, which
+            # commits what arrived meanwhile in one transaction: one commit for many runs'
+            # relaxed batches too, rather than one each on the event loop.
+            if not alone:
+                at_once = None
+            elif durable:
+                at_once = self._sync_if_idle
             else:
                 at_once = self._append_if_idle
             if at_once is not None and at_once(batch):

@@ -37,8 +37,11 @@ class CommitLog(SqliteEventStore):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.commits: list[tuple[list[str], bool, int]] = []
+        self.groups: list[list[tuple[str, bool]]] = []
+        """Each transaction's batches: (run id, durable)."""
 
     def _commit(self, group: list[PendingAppend], *, checkpoint: bool = True) -> None:
+        self.groups.append([(job.batch[0].run_id, job.durable) for job in group])
         for job in group:
             types = [e.type.value for e in job.batch]
             self.commits.append((types, job.durable, threading.get_ident()))
@@ -303,6 +306,20 @@ def test_runs_writing_together_share_the_writer_thread(
     durable = [inline for is_durable, inline in commits if is_durable]
     assert len(durable) == 4 * 8
     assert durable.count(True) <= 1  # only a run that found nobody else writing
+
+
+def test_runs_writing_together_commit_their_relaxed_batches_together_in_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(synccost, "INLINE_SYNC_MAX", 60.0)
+    store = CommitLog(tmp_path / "runs.db")
+    commits = on_the_loop(store, runs=4)
+
+    relaxed = [inline for is_durable, inline in commits if not is_durable]
+    assert len(relaxed) >= 4 * 3  # each run's tool results at least
+    assert relaxed.count(True) <= 1  # only a run that found nobody else writing
+    shared = [g for g in store.groups if len({run for run, _ in g}) > 1]
+    assert any(not durable for g in shared for _, durable in g)  # relaxed ones grouped too
 
 
 def test_a_run_writes_alone_until_another_run_wrote_within_the_window(
