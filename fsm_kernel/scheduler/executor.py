@@ -226,72 +226,137 @@ class CompletionBuffer:
                 self.settle(batch, list(recorded))
 
 
-class _CancelFlag:
-    """A run's cancel request (an Event that also wakes the run's watch)."""
+class _Running:
+    """One dispatch whose run is in flight in this executor: what may stop it, and when its
+    timeout and next heartbeat are due (on the event loop's clock)."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._set = False
-        self._wake = wake
+    __slots__ = (
+        "abandoned",
+        "beat_due",
+        "beating",
+        "cancel_requested",
+        "deadline",
+        "dispatch",
+        "lease_lost",
+        "stopped",
+        "task",
+        "timed_out",
+    )
 
-    def set(self) -> None:
-        self._set = True
-        self._wake()
-
-    def is_set(self) -> bool:
-        return self._set
-
-
-class _Watch:
-    """Waits for whatever ends a run's wait first (the run's end, a cancel request, the
-    timeout, a lost lease, abandon_all) without a task per cause: each wakes one future.
-    Heartbeats start one interval after the claim, so a run shorter than that costs no task
-    for them."""
-
-    def __init__(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        self.timeout = timeout
-        self.woken: asyncio.Future[None] = loop.create_future()
+    def __init__(self, dispatch: Dispatch, task: asyncio.Task[Any]) -> None:
+        self.dispatch = dispatch
+        self.task = task
+        """The task awaiting the runner (the run is awaited in it, not in a task of its own)."""
+        self.deadline = 0.0
+        self.beat_due = 0.0
+        self.beating = False
+        """A heartbeat of it is in flight (no second one starts meanwhile)."""
+        self.cancel_requested = False
         self.timed_out = False
         self.lease_lost: str | None = None
-        self._timer = loop.call_later(timeout, self._time_out)
-        self._beat_timer: asyncio.TimerHandle | None = None
-        self._beats: asyncio.Task[str] | None = None
+        self.abandoned = False
+        self.stopped = False
+        """Its task was cancelled by the executor (once: the first cause stops it)."""
 
-    def wake(self, *_: object) -> None:
-        if not self.woken.done():
-            self.woken.set_result(None)
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.task.cancel()
 
-    def start_beats(self, interval: float, beats: Callable[[], Coroutine[Any, Any, str]]) -> None:
+
+class _Ticker:
+    """Times the timeouts and heartbeats of all the runs of one executor with one timer, armed
+    for the earliest thing due, instead of two timers and a heartbeat task per run. All runs
+    share one timeout and one heartbeat interval, so a run claimed later is never due earlier:
+    a start arms the timer only when none is armed, an end cancels nothing (the timer, when it
+    fires, finds the ended run gone and re-arms for what is still running, or for nothing).
+    Heartbeats due together are renewed in one thread hop."""
+
+    def __init__(
+        self,
+        running: dict[str, _Running],
+        timeout: float,
+        interval: float,
+        renew: Callable[[list[_Running]], Coroutine[Any, Any, None]],
+    ) -> None:
+        self._running = running
+        self.timeout = timeout
+        self.interval = interval
+        self._renew = renew
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_at = 0.0
+        self._beats: set[asyncio.Task[None]] = set()
+
+    def start(self, run: _Running) -> None:
+        """A run began now: its timeout and its first heartbeat are counted from now."""
+        now = asyncio.get_running_loop().time()
+        run.deadline = now + self.timeout
+        run.beat_due = now + self.interval
+        self.arm(min(run.deadline, run.beat_due))
+
+    def arm(self, when: float) -> None:
+        """Fire at `when` unless the timer already fires earlier."""
+        if self._timer is not None:
+            if self._armed_at <= when:
+                return
+            self._timer.cancel()
+        self._armed_at = when
+        self._timer = asyncio.get_running_loop().call_at(when, self._fire)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        """Stop the runs past their timeout, renew the leases due, re-arm for the next."""
+        self._timer = None
         loop = asyncio.get_running_loop()
-        self._beat_timer = loop.call_later(interval, self._begin, beats)
+        now = loop.time() + _TIMER_SLACK  # a timer may fire a hair before its time
+        due: list[_Running] = []
+        later = float("inf")
+        for run in self._running.values():
+            if run.stopped:
+                continue
+            if run.deadline <= now:
+                run.timed_out = True
+                run.stop()
+                continue
+            if not run.beating and run.beat_due <= now:
+                run.beating = True
+                due.append(run)
+            later = min(later, run.deadline, float("inf") if run.beating else run.beat_due)
+        if due:
+            task = loop.create_task(self._beat(due))
+            self._beats.add(task)
+            task.add_done_callback(self._beats.discard)
+        if later != float("inf"):
+            self.arm(later)
 
-    async def close(self, run: asyncio.Task[RunOutcome]) -> None:
-        """Stop the timers and heartbeats, and the run if it still runs."""
-        self._timer.cancel()
-        if self._beat_timer is not None:
-            self._beat_timer.cancel()
-        tasks = [t for t in (run, self._beats) if t is not None and not t.done()]
-        if tasks:
-            await _cancel(*tasks)
+    async def _beat(self, due: list[_Running]) -> None:
+        try:
+            await self._renew(due)
+        finally:
+            next_due = asyncio.get_running_loop().time() + self.interval
+            for run in due:
+                run.beating = False
+                run.beat_due = next_due
+            if any(self._running.get(run.dispatch.dispatch_id) is run for run in due):
+                self.arm(next_due)  # those still running beat again then
 
-    def _time_out(self) -> None:
-        self.timed_out = True
-        self.wake()
 
-    def _begin(self, beats: Callable[[], Coroutine[Any, Any, str]]) -> None:
-        self._beats = asyncio.get_running_loop().create_task(beats())
-        self._beats.add_done_callback(self._beats_ended)
-
-    def _beats_ended(self, task: asyncio.Task[str]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        self.lease_lost = task.result() if exc is None else one_line_error(exc)
-        self.wake()
+_TIMER_SLACK = 0.001
+"""Seconds a timeout may be judged early: asyncio runs a timer up to its clock's resolution
+before its time."""
 
 
 class DispatchExecutor:
-    """Runs claimed dispatches for one worker id."""
+    """Runs claimed dispatches for one worker id.
+
+    A run is awaited in the task that called `execute` (one task per dispatch, not two); a
+    timeout, a cancel request, a lost lease or abandon_all stop it by cancelling that task, and
+    `execute` tells its own cancellation from its caller's (`Task.uncancel`). One timer for all
+    the runs (`_Ticker`) times their timeouts and heartbeats."""
 
     def __init__(
         self,
@@ -305,8 +370,10 @@ class DispatchExecutor:
         self.queue = queue
         self.runner = runner
         self.worker_id = worker_id
-        self._cancels: dict[str, _CancelFlag] = {}
-        self._watches: set[_Watch] = set()
+        self._running: dict[str, _Running] = {}
+        self._ticker = _Ticker(
+            self._running, config.timeout_seconds, config.heartbeat_interval, self._heartbeat
+        )
         self.completions = CompletionBuffer(queue, config.max_concurrent)
         """Where outcomes wait to be recorded (a Worker's claims carry them)."""
         self.notifier = DispatchNotifier(config.notify, config.store) if config.notify else None
@@ -314,16 +381,18 @@ class DispatchExecutor:
 
     async def settle(self) -> None:
         """Wait a little for the webhooks still being told (before the process exits)."""
+        self._ticker.close()
         if self.notifier is not None:
             await self.notifier.aclose()
 
     def request_cancel(self, dispatch_id: str) -> bool:
         """Stop the run of a dispatch this executor is running (a cancel was requested); False
         if it runs none by that id."""
-        event = self._cancels.get(dispatch_id)
-        if event is not None:
-            event.set()
-        return event is not None
+        run = self._running.get(dispatch_id)
+        if run is not None:
+            run.cancel_requested = True
+            run.stop()
+        return run is not None
 
     async def execute(
         self,
@@ -336,7 +405,7 @@ class DispatchExecutor:
 
         Never raises for a failing run: a raised exception or a timeout becomes a failed
         dispatch, a cancel request (seen at a heartbeat, or through request_cancel) a cancelled
-        one. On a cancel request or the timeout the runner's task is cancelled, which the kernel
+        one. On a cancel request or the timeout the runner is cancelled, which the kernel
         records as the end of the run with the reason `cancelled`; the run id is kept from what
         the runner then returns. If `abandon` is set mid-run, or this task is cancelled, the run
         is cancelled and the dispatch left running for its lease to expire. `ran` is called when
@@ -346,65 +415,106 @@ class DispatchExecutor:
         if agent is None:
             error = f"agent {dispatch.agent_id!r} is not in the scheduler config"
             return await self._finish(dispatch, RunOutcome(ok=False, error=error), False)
-        watch = _Watch(self.config.timeout_seconds)
-        cancel = self._cancels[dispatch.dispatch_id] = _CancelFlag(watch.wake)
-        self._watches.add(watch)
-        run = asyncio.create_task(_invoke(self.runner, agent, dispatch))
-        run.add_done_callback(watch.wake)
-        watch.start_beats(
-            self.config.heartbeat_interval, lambda: self._heartbeats(dispatch, cancel)
-        )
-        try:
-            if not (abandon is not None and abandon.is_set()):
-                await watch.woken
-            ended = run.done()
-            interrupted = not ended and (cancel.is_set() or watch.timed_out)
-            if interrupted:  # a cancel request or the timeout: let the kernel record the end
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-        finally:
-            self._watches.discard(watch)
-            await watch.close(run)
-            self._cancels.pop(dispatch.dispatch_id, None)
+        if abandon is not None and abandon.is_set():
             if ran is not None:
                 ran()
-        if ended:
-            return await self._finish(dispatch, _outcome(run, dispatch), cancel.is_set())
-        if interrupted:
-            outcome = _interrupted(run, dispatch, cancelled=cancel.is_set(), timeout=watch.timeout)
-            return await self._finish(dispatch, outcome, cancel.is_set())
-        if watch.lease_lost is not None:
-            return _detail(dispatch, ExecutionStatus.LOST, error=watch.lease_lost)
-        logger.warning("dispatch %s (%s) abandoned mid-run", dispatch.dispatch_id, agent.agent_id)
+            return self._abandoned(dispatch)
+        run = self._running[dispatch.dispatch_id] = _Running(dispatch, _current_task())
+        self._ticker.start(run)
+        try:
+            returned, failure = await self._await_run(run, agent)
+        finally:
+            del self._running[dispatch.dispatch_id]
+            if ran is not None:
+                ran()
+        return await self._conclude(run, returned, failure)
+
+    async def _await_run(
+        self, run: _Running, agent: AgentSpec
+    ) -> tuple[RunOutcome | None, BaseException | None]:
+        """What the runner returned or raised. A cancellation the executor caused (timeout,
+        cancel request, lost lease, abandon) is taken back; the caller's propagates."""
+        returned: RunOutcome | None = None
+        failure: BaseException | None = None
+        try:
+            returned = await _invoke(self.runner, agent, run.dispatch)
+        except asyncio.CancelledError as exc:
+            if not run.stopped:
+                raise
+            failure = exc
+        except Exception as exc:  # one failing run must never take the others down
+            failure = exc
+        # Cancellations of this task other than the executor's own belong to the caller.
+        if (run.task.uncancel() if run.stopped else run.task.cancelling()) > 0:
+            raise asyncio.CancelledError
+        return returned, failure
+
+    async def _conclude(
+        self, run: _Running, returned: RunOutcome | None, failure: BaseException | None
+    ) -> DispatchDetail:
+        """The dispatch's fate once its run has ended or was stopped, recorded if it ended."""
+        dispatch = run.dispatch
+        if run.cancel_requested or run.timed_out:
+            outcome = _interrupted(
+                returned, dispatch, cancelled=run.cancel_requested, timeout=self._ticker.timeout
+            )
+            return await self._finish(dispatch, outcome, run.cancel_requested)
+        if run.lease_lost is not None:
+            return _detail(dispatch, ExecutionStatus.LOST, error=run.lease_lost)
+        if run.abandoned:
+            return self._abandoned(dispatch)
+        return await self._finish(dispatch, _outcome(returned, failure, dispatch), False)
+
+    @staticmethod
+    def _abandoned(dispatch: Dispatch) -> DispatchDetail:
+        logger.warning(
+            "dispatch %s (%s) abandoned mid-run", dispatch.dispatch_id, dispatch.agent_id
+        )
         return _detail(dispatch, ExecutionStatus.ABANDONED)
 
     def abandon_all(self) -> None:
-        """Wake every run's wait: the `abandon` event given to execute() has been set."""
-        for watch in list(self._watches):
-            watch.wake()
+        """Stop every run: the `abandon` event given to execute() has been set."""
+        for run in list(self._running.values()):
+            run.abandoned = True
+            run.stop()
 
-    async def _heartbeats(self, dispatch: Dispatch, cancel: _CancelFlag) -> str:
-        """Renew the lease every heartbeat interval (the first one interval after the claim),
-        and notice a cancel request there; returns why the lease was lost."""
-        while True:
+    async def _heartbeat(self, due: list[_Running]) -> None:
+        """Renew the leases of these runs (one thread hop for all), and notice a cancel request
+        or a lost lease there. A run that ended meanwhile is left alone."""
+        renewed = await asyncio.to_thread(self._renew, [run.dispatch for run in due])
+        for run, result in zip(due, renewed, strict=True):
+            if self._running.get(run.dispatch.dispatch_id) is not run or run.stopped:
+                continue
+            dispatch_id = run.dispatch.dispatch_id
+            if isinstance(result, StoreConflictError):
+                logger.warning("dispatch %s: lease lost: %s", dispatch_id, result)
+                run.lease_lost = str(result)
+                run.stop()
+            elif isinstance(result, Exception):  # transient: keep running, retry at the next beat
+                logger.warning("dispatch %s: heartbeat failed: %s", dispatch_id, result)
+            elif result.cancel_requested_at is not None:
+                logger.info("dispatch %s: cancel requested, stopping it", dispatch_id)
+                run.cancel_requested = True
+                run.stop()
+
+    def _renew(self, dispatches: list[Dispatch]) -> list[Dispatch | Exception]:
+        """Each dispatch's heartbeat: its row, or why it failed (in the thread)."""
+        renewed: list[Dispatch | Exception] = []
+        for dispatch in dispatches:
             try:
-                row = await asyncio.to_thread(
-                    self.queue.heartbeat,
-                    dispatch.dispatch_id,
-                    self.worker_id,
-                    self.config.lease_seconds,
-                    attempt=dispatch.attempts,
+                renewed.append(
+                    self.queue.heartbeat(
+                        dispatch.dispatch_id,
+                        self.worker_id,
+                        self.config.lease_seconds,
+                        attempt=dispatch.attempts,
+                    )
                 )
-            except StoreConflictError as exc:
-                logger.warning("dispatch %s: lease lost: %s", dispatch.dispatch_id, exc)
-                return str(exc)
-            except StoreError as exc:  # transient: keep running, retry at the next beat
-                logger.warning("dispatch %s: heartbeat failed: %s", dispatch.dispatch_id, exc)
-            else:
-                if row.cancel_requested_at is not None and not cancel.is_set():
-                    logger.info("dispatch %s: cancel requested, stopping it", dispatch.dispatch_id)
-                    cancel.set()
-            await asyncio.sleep(self.config.heartbeat_interval)
+            except StoreError as exc:  # StoreConflictError: the lease is lost
+                renewed.append(exc)
+            except Exception as exc:  # a lease we cannot renew is as good as lost
+                renewed.append(StoreConflictError(one_line_error(exc)))
+        return renewed
 
     async def _finish(
         self, dispatch: Dispatch, outcome: RunOutcome, cancel_requested: bool
@@ -455,8 +565,8 @@ class DispatchExecutor:
 
 
 async def _invoke(runner: AgentRunner, agent: AgentSpec, dispatch: Dispatch) -> RunOutcome:
-    """The runner's awaitable as a coroutine, which create_task needs: a new run, or the
-    dispatch's own run resumed (a woken dispatch: see DispatchQueue.wake_waiting)."""
+    """The runner's awaitable: a new run, or the dispatch's own run resumed (a woken dispatch:
+    see DispatchQueue.wake_waiting)."""
     if dispatch.run_id is None:
         return await runner(agent, dispatch.prompt)
     logger.info(
@@ -468,31 +578,37 @@ async def _invoke(runner: AgentRunner, agent: AgentSpec, dispatch: Dispatch) -> 
     return await runner(agent, dispatch.prompt, resume=dispatch.run_id)
 
 
-def _outcome(inner: asyncio.Task[RunOutcome], dispatch: Dispatch) -> RunOutcome:
+def _current_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    if task is None:  # execute() is a coroutine: it always runs in a task
+        raise RuntimeError("DispatchExecutor.execute must run in an asyncio task")
+    return task
+
+
+def _outcome(
+    returned: RunOutcome | None, failure: BaseException | None, dispatch: Dispatch
+) -> RunOutcome:
     """What a runner that ended by itself reports; a raised exception is a failed run."""
-    if inner.cancelled():
+    if isinstance(failure, asyncio.CancelledError):
         return RunOutcome(ok=False, error="the runner was cancelled")
-    exc = inner.exception()
-    if exc is not None:  # one failing run must never take the others down
+    if failure is not None:  # one failing run must never take the others down
         logger.warning(
             "dispatch %s (%s) failed: %s",
             dispatch.dispatch_id,
             dispatch.agent_id,
-            one_line_error(exc),
+            one_line_error(failure),
         )
-        logger.debug("dispatch %s failed", dispatch.dispatch_id, exc_info=exc)
-        return RunOutcome(ok=False, error=one_line_error(exc))
-    outcome = inner.result()
-    if not isinstance(outcome, RunOutcome):
-        return RunOutcome(ok=False, error=f"runner returned {type(outcome).__name__}")
-    return outcome
+        logger.debug("dispatch %s failed", dispatch.dispatch_id, exc_info=failure)
+        return RunOutcome(ok=False, error=one_line_error(failure))
+    if not isinstance(returned, RunOutcome):
+        return RunOutcome(ok=False, error=f"runner returned {type(returned).__name__}")
+    return returned
 
 
 def _interrupted(
-    inner: asyncio.Task[RunOutcome], dispatch: Dispatch, *, cancelled: bool, timeout: float
+    returned: RunOutcome | None, dispatch: Dispatch, *, cancelled: bool, timeout: float
 ) -> RunOutcome:
     """A run stopped by a cancel request or by the timeout, with the run id it reported."""
-    returned = None if inner.cancelled() or inner.exception() else inner.result()
     run_id = returned.run_id if isinstance(returned, RunOutcome) else None
     if cancelled:
         return RunOutcome(
@@ -523,11 +639,3 @@ def _detail(
         termination_reason=outcome.termination_reason if outcome else None,
         error=error if error is not None else (outcome.error if outcome else None),
     )
-
-
-async def _cancel(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    # gather, not `await task` under suppress(CancelledError): a cancellation of *this* task
-    # while waiting must still propagate.
-    await asyncio.gather(*tasks, return_exceptions=True)

@@ -81,6 +81,7 @@ class DispatchStatus(StrEnum):
     the scheduler wakes it (pending again) once the run's timer is due."""
 
 
+_STATUSES = {status.value: status for status in DispatchStatus}
 ACTIVE_STATUSES = frozenset({DispatchStatus.PENDING, DispatchStatus.RUNNING})
 FINAL_STATUSES = frozenset({DispatchStatus.DONE, DispatchStatus.FAILED, DispatchStatus.CANCELLED})
 ENDED_STATUSES = FINAL_STATUSES | {DispatchStatus.WAITING}
@@ -111,6 +112,8 @@ LEGACY_COLUMNS: tuple[str, ...] = tuple(
 )
 """The columns of schema version 1, copied as they are by the migration."""
 _TIME_COLUMNS = ("lease_expires_at", "created_at", "started_at", "finished_at")
+_ALL_TIME_COLUMNS = (*_TIME_COLUMNS, "cancel_requested_at")
+_INT_COLUMNS = ("priority", "attempts", "max_attempts")
 
 CANCELLED_PENDING = "cancelled while pending: it never ran"
 CANCELLED_WOKEN = (
@@ -167,14 +170,22 @@ class Dispatch:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Dispatch:
-        """Build from a database row; times may be datetimes or ISO strings."""
+        """Build from a database row; times may be datetimes or ISO strings.
+
+        A worker parses two rows per dispatch (claimed, then finished), so this fills the
+        frozen instance's fields directly instead of through the generated __init__ (one
+        `object.__setattr__` per field): about a third of the cost, the same object."""
         values = {name: row[name] for name in COLUMNS}
-        for name in (*_TIME_COLUMNS, "cancel_requested_at"):
-            values[name] = _as_datetime(values[name])
-        values["status"] = DispatchStatus(values["status"])
-        for name in ("priority", "attempts", "max_attempts"):
-            values[name] = int(values[name])
-        return cls(**values)
+        for name in _ALL_TIME_COLUMNS:
+            if values[name] is not None:
+                values[name] = _as_datetime(values[name])
+        values["status"] = _STATUSES.get(values["status"]) or DispatchStatus(values["status"])
+        for name in _INT_COLUMNS:
+            if type(values[name]) is not int:
+                values[name] = int(values[name])
+        dispatch = object.__new__(cls)
+        dispatch.__dict__.update(values)
+        return dispatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -526,6 +537,8 @@ def require_aware(moment: datetime) -> datetime:
 def _as_datetime(value: Any) -> datetime | None:
     if value is None:
         return None
+    if type(value) is datetime and value.tzinfo is UTC:
+        return value
     moment = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
     return moment.astimezone(UTC)
 

@@ -1,0 +1,178 @@
+"""The executor's one timer for all its runs (real SQLite queue, real clock): each run's timeout
+fires at its own deadline, leases are renewed every heartbeat interval while a run lasts, a run
+that ended is never renewed again, and the run is awaited in the caller's task (a cancellation of
+that task is the caller's, not a timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_kernel.scheduler import AgentSpec, ExecutionStatus, RunOutcome
+from fsm_kernel.scheduler.executor import DispatchExecutor
+from fsm_kernel.scheduler.queue import Dispatch, SqliteDispatchQueue
+from tests.unit.test_scheduler_fakes import make_config
+
+TIMEOUT = 0.3
+INTERVAL = 0.06
+SLACK = 0.002
+"""asyncio may run a timer up to its clock's resolution early."""
+
+
+class BeatLog(SqliteDispatchQueue):
+    """The real SQLite queue, noting when (loop clock) each dispatch's lease was renewed."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.beats: list[tuple[str, float]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def heartbeat(self, dispatch_id: str, *args: Any, **kwargs: Any) -> Dispatch:
+        assert self.loop is not None
+        self.beats.append((dispatch_id, self.loop.time()))
+        return super().heartbeat(dispatch_id, *args, **kwargs)
+
+    def beats_of(self, dispatch_id: str) -> list[float]:
+        return [at for d, at in self.beats if d == dispatch_id]
+
+
+@pytest.fixture
+def queue(tmp_path: Path) -> Iterator[BeatLog]:
+    q = BeatLog(tmp_path / "runs.db")
+    q.ensure_schema()
+    yield q
+    q.close()
+
+
+def claim(queue: BeatLog, agent_id: str) -> Dispatch:
+    queue.enqueue("k1", agent_id, "p", 0, None)
+    claimed = queue.claim("k1", "w1", 60, 10)
+    assert claimed is not None
+    assert claimed.agent_id == agent_id
+    return claimed
+
+
+def executor_for(
+    tmp_path: Path, queue: BeatLog, runner: Any, *, timeout: float = TIMEOUT
+) -> DispatchExecutor:
+    config = make_config(tmp_path, ["a", "b"], timeout_seconds=timeout, heartbeat_seconds=INTERVAL)
+    return DispatchExecutor(config, queue, runner, worker_id="w1")
+
+
+def test_each_run_times_out_at_its_own_deadline(tmp_path: Path, queue: BeatLog) -> None:
+    ended: dict[str, float] = {}
+    started: dict[str, float] = {}
+
+    async def hang(agent: AgentSpec, prompt: str) -> RunOutcome:
+        loop = asyncio.get_running_loop()
+        started[agent.agent_id] = loop.time()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended[agent.agent_id] = loop.time()
+        raise AssertionError("unreachable")
+
+    async def scenario() -> list[Any]:
+        queue.loop = asyncio.get_running_loop()
+        executor = executor_for(tmp_path, queue, hang)
+        first = asyncio.create_task(executor.execute(claim(queue, "a")))
+        await asyncio.sleep(TIMEOUT / 2)  # the second run's deadline is later than the first's
+        second = asyncio.create_task(executor.execute(claim(queue, "b")))
+        return list(await asyncio.gather(first, second))
+
+    details = asyncio.run(scenario())
+    assert [(d.agent_id, d.status, d.termination_reason) for d in details] == [
+        ("a", ExecutionStatus.FAILED, "timeout"),
+        ("b", ExecutionStatus.FAILED, "timeout"),
+    ]
+    for agent_id in ("a", "b"):
+        lasted = ended[agent_id] - started[agent_id]
+        assert lasted >= TIMEOUT - SLACK, (agent_id, lasted)  # never early
+        assert lasted < TIMEOUT + 1.0, (agent_id, lasted)  # on time, give or take the machine
+    assert ended["b"] - ended["a"] >= TIMEOUT / 2 - 2 * SLACK  # its own deadline, not a's
+
+
+def test_leases_are_renewed_every_interval_and_never_after_the_run(
+    tmp_path: Path, queue: BeatLog
+) -> None:
+    times: dict[str, tuple[float, float]] = {}
+    lengths = {"a": 2.5 * INTERVAL, "b": 8 * INTERVAL}
+
+    async def work(agent: AgentSpec, prompt: str) -> RunOutcome:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.sleep(lengths[agent.agent_id])
+        times[agent.agent_id] = (start, loop.time())
+        return RunOutcome(ok=True)
+
+    async def scenario() -> list[Any]:
+        queue.loop = asyncio.get_running_loop()
+        executor = executor_for(tmp_path, queue, work, timeout=60)
+        a, b = claim(queue, "a"), claim(queue, "b")
+        done = await asyncio.gather(executor.execute(a), executor.execute(b))
+        await asyncio.sleep(3 * INTERVAL)  # a beat due now would show
+        return [done, a.dispatch_id, b.dispatch_id]
+
+    details, a_id, b_id = asyncio.run(scenario())
+    assert [d.status for d in details] == [ExecutionStatus.DONE, ExecutionStatus.DONE]
+    for dispatch_id, agent_id, least in ((a_id, "a", 2), (b_id, "b", 6)):
+        start, end = times[agent_id]
+        beats = queue.beats_of(dispatch_id)
+        assert len(beats) >= least, (agent_id, beats)  # renewed all along the run
+        assert beats[0] - start >= INTERVAL - SLACK  # the first one interval after the start
+        gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+        assert all(gap >= INTERVAL - SLACK for gap in gaps), gaps  # never faster
+        assert all(gap < INTERVAL + 1.0 for gap in gaps), gaps  # never skipped
+        assert all(at <= end for at in beats), (agent_id, beats, end)  # none after its end
+
+
+def test_a_run_shorter_than_the_interval_is_never_renewed(tmp_path: Path, queue: BeatLog) -> None:
+    async def quick(agent: AgentSpec, prompt: str) -> RunOutcome:
+        return RunOutcome(ok=True)
+
+    async def scenario() -> str:
+        queue.loop = asyncio.get_running_loop()
+        executor = executor_for(tmp_path, queue, quick)
+        dispatch = claim(queue, "a")
+        detail = await executor.execute(dispatch)
+        assert detail.status is ExecutionStatus.DONE
+        await asyncio.sleep(3 * INTERVAL)
+        return dispatch.dispatch_id
+
+    asyncio.run(scenario())
+    assert queue.beats == []
+
+
+def test_cancelling_the_callers_task_is_not_a_timeout(tmp_path: Path, queue: BeatLog) -> None:
+    """The run is awaited in the caller's task: cancelling that task cancels the run and
+    propagates (the dispatch is left to its lease), even when the runner swallows it."""
+    cancelled: list[str] = []
+
+    async def stubborn(agent: AgentSpec, prompt: str) -> RunOutcome:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(agent.agent_id)
+        return RunOutcome(ok=False, termination_reason="cancelled")
+
+    async def scenario() -> str:
+        queue.loop = asyncio.get_running_loop()
+        executor = executor_for(tmp_path, queue, stubborn)
+        dispatch = claim(queue, "a")
+        task = asyncio.create_task(executor.execute(dispatch))
+        await asyncio.sleep(INTERVAL / 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return dispatch.dispatch_id
+
+    dispatch_id = asyncio.run(scenario())
+    assert cancelled == ["a"]
+    row = queue.get(dispatch_id)
+    assert row is not None
+    assert row.status.value == "running"
