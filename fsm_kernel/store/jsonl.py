@@ -436,7 +436,7 @@ class _Reservation:
     allocation), and the file, allocated a little at a time beside other files' writes,
     splits into more extents than the inode holds (4 on ext4): from then on every sync also
     writes an extent block, an I/O per sync more (7 writes an iteration instead of 6 for the
-    run recorder's two syncs, measured from about the 200th iteration on). With the space
+    run recorder's two syncs, from about the 100th iteration of a run on). With the space
     reserved, a sync only marks reserved blocks written, in the inode.
 
     The file's size is untouched: readers (other stores, `runs`, the viewer, `cat`) see the
