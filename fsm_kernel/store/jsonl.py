@@ -6,21 +6,28 @@ hand-written fixtures may leave it out). Appends are fsynced (a batch written wi
 `durable=False` waits for the next fsync) and serialized between processes with flock; a torn
 last line left by a crash is ignored and cut off by the next append. Unlike the databases, a
 crash in the middle of a multi-event write may keep that batch's first lines.
+
+On Linux, a store that appends reserves disk space past the end of the file ahead of its
+appends (see `_Reservation`), so a sync writes no block allocation and the file keeps few
+extents as it grows; readers never see the reserved space, and close gives back what is left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -58,14 +65,20 @@ logger = logging.getLogger(__name__)
 
 _CRC_KEY = "crc32"
 
+_RESERVE_MIN = 4 << 20
+"""Bytes a store first reserves past the end of the file, before its first append."""
+
+_RESERVE_MAX = 64 << 20
+"""The most it reserves at once; in between, as much as the file holds already."""
+
 
 @dataclass(frozen=True)
 class _Prepared:
-    """A batch ready to write: its events, its lines, and the events as stored."""
+    """A batch ready to write: its events, and each one's line."""
 
     batch: list[Event]
+    lines: list[bytes]
     payload: bytes
-    stored: list[Event]
 
 
 class JsonlEventStore:
@@ -73,6 +86,10 @@ class JsonlEventStore:
 
     Several stores (threads or processes) may share a file: every call first reads what others
     appended since, and appends hold an exclusive flock. Local filesystems only.
+
+    The events this store appends are kept as their lines and decoded when first read: a
+    process that records a run never reads it back, and tens of thousands of decoded events,
+    scattered through its memory, slowed the run's own walks over its history as it grew.
 
     With `read_only=True` the file must exist; it is opened read-only and appends fail.
     """
@@ -87,7 +104,9 @@ class JsonlEventStore:
         self._torn = False
         self._needs_newline = False
         self._sync_cost = SyncCost()
-        self._events: dict[str, dict[int, Event]] = {}
+        self._reservation = _Reservation()
+        self._events: dict[str, dict[int, Event | bytes]] = {}
+        """Per run, per seq: the event, or its line while no read has decoded it."""
         self._runs: dict[str, RunSummary] = {}
         self._run_locks = RunLockFile(self.path.with_name(self.path.name + RUN_LOCKS_SUFFIX))
         try:
@@ -174,10 +193,7 @@ class JsonlEventStore:
             return None
         check_events(batch)
         lines = [_encode_line(e) for e in batch]
-        # Index what was written, decoded again: UTC timestamps and data the caller cannot
-        # mutate afterwards, exactly as a reopened store will see them.
-        stored = [_decode_line(line, f"{self.path}:append") for line in lines]
-        return _Prepared(batch, b"".join(lines), [e for e in stored if e is not None])
+        return _Prepared(batch, lines, b"".join(lines))
 
     def _append_locked(self, prepared: _Prepared, *, durable: bool) -> None:
         self._catch_up()
@@ -186,18 +202,32 @@ class JsonlEventStore:
         payload = prepared.payload
         if self._needs_newline:
             payload = b"\n" + payload
+        self._reservation.cover(self._live(), self._offset, len(payload))
         self._write(payload, durable=durable)
         self._needs_newline = False
         self._offset += len(payload)
         self._lineno += len(prepared.batch)
-        self._index(prepared.stored)
+        for event, line in zip(prepared.batch, prepared.lines, strict=True):
+            self._events.setdefault(event.run_id, {})[event.seq] = line
+        # Summarized as a reopened store will: the data is read now, the times in UTC.
+        self._summarize([_in_utc(e) for e in prepared.batch])
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""
         with self._lock, self._flocked(fcntl.LOCK_SH):
             self._catch_up()
             by_seq = self._events.get(run_id, {})
-            return [by_seq[seq] for seq in sorted(by_seq)]
+            return [self._decoded(run_id, by_seq, seq) for seq in sorted(by_seq)]
+
+    def _decoded(self, run_id: str, by_seq: dict[int, Event | bytes], seq: int) -> Event:
+        """The event at `seq`, decoded from its line (once: kept decoded) if need be."""
+        stored = by_seq[seq]
+        if isinstance(stored, Event):
+            return stored
+        event = _decode_line(stored, f"{self.path}: run {run_id} seq {seq}")
+        assert event is not None  # the line this store wrote
+        by_seq[seq] = event
+        return event
 
     def next_seq(self, run_id: str) -> int:
         """1 + the run's last seq; 1 for a run with no events."""
@@ -289,11 +319,14 @@ class JsonlEventStore:
         return self._run_locks.hold(run_id)
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Give back the space reserved past the end, and close the file (idempotent)."""
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            try:
+                self._reservation.release(fd, self.path)
+            finally:
+                os.close(fd)
 
     def _live(self) -> int:
         if self._fd is None:
@@ -351,6 +384,9 @@ class JsonlEventStore:
     def _index(self, events: Sequence[Event]) -> None:
         for event in events:
             self._events.setdefault(event.run_id, {})[event.seq] = event
+        self._summarize(events)
+
+    def _summarize(self, events: Sequence[Event]) -> None:
         for delta in summarize_batch(events):
             self._runs[delta.run_id] = delta.merge_into(self._runs.get(delta.run_id))
 
@@ -374,6 +410,7 @@ class JsonlEventStore:
             os.ftruncate(self._live(), self._offset)
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot cut off a torn last line: {exc}") from exc
+        self._reservation.end = 0  # the cut gave back the space reserved past it too
         logger.warning("%s: cut off a torn last line at byte %d", self.path, self._offset)
         self._torn = False
 
@@ -387,7 +424,94 @@ class JsonlEventStore:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._offset)  # leave no half-written batch behind
+            self._reservation.end = 0  # and no space reserved past the end
             raise StoreError(f"{self.path}: append failed: {exc}") from exc
+
+
+class _Reservation:
+    """Disk space reserved past the end of the file ahead of the appends that will fill it
+    (fallocate with FALLOC_FL_KEEP_SIZE, Linux only).
+
+    Without it, each sync allocates the blocks its lines were just written to (ext4's delayed
+    allocation), and the file, allocated a little at a time beside other files' writes,
+    splits into more extents than the inode holds (4 on ext4): from then on every sync also
+    writes an extent block, an I/O per sync more (7 writes an iteration instead of 6 for the
+    run recorder's two syncs, from about the 100th iteration of a run on). With the space
+    reserved, a sync only marks reserved blocks written, in the inode.
+
+    The file's size is untouched: readers (other stores, `runs`, the viewer, `cat`) see the
+    lines and nothing else, and a crash leaves the space reserved, not garbage in the file.
+    Each reservation is as large as the file already is (between _RESERVE_MIN and
+    _RESERVE_MAX), so a growing file needs few, and holds few extents. A file system without
+    fallocate, or refusing it (no space), is simply appended to as before."""
+
+    def __init__(self) -> None:
+        self.end = 0
+        """The end of the space this store reserved; 0 before its first append."""
+        self.enabled = sys.platform.startswith("linux")
+
+    def cover(self, fd: int, offset: int, size: int) -> None:
+        """Reserve space for `size` bytes written at `offset` (the end of the file), and
+        beyond, unless this store already did."""
+        if not self.enabled or offset + size <= self.end:
+            return
+        length = max(size, min(max(_RESERVE_MIN, offset), _RESERVE_MAX))
+        try:
+            _fallocate_keep_size(fd, offset, length)
+        except OSError as exc:  # not supported here, or no space: append as before
+            logger.debug("not reserving space past the end of the event log: %s", exc)
+            self.enabled = False
+            return
+        self.end = offset + length
+
+    def release(self, fd: int, path: Path) -> None:
+        """Give back the space reserved past the end of the file: cut the file at its size,
+        under the exclusive lock, so no other process's line is cut (another process's own
+        reservation may go too; its appends then allocate as they write)."""
+        if not self.end:
+            return
+        self.end = 0
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.ftruncate(fd, os.fstat(fd).st_size)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:  # the log is intact; only the reserved space stays
+            logger.warning("%s: cannot give back the space reserved past the end: %s", path, exc)
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> None:
+    """Linux fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length): the blocks, not the size
+    (Python's os.posix_fallocate changes the size).
+
+    Raises:
+        OSError: the call failed (EOPNOTSUPP, ENOSPC...), or libc has no fallocate.
+    """
+    function = _libc_fallocate()
+    if function is None:
+        raise OSError(errno.ENOSYS, "no fallocate in the C library")
+    if function(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+@functools.cache
+def _libc_fallocate() -> Any:
+    """The C library's fallocate, or None. ctypes is imported here, at the first append:
+    1 ms of import that commands which only read never pay."""
+    import ctypes
+
+    function = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        function.restype = ctypes.c_int
+    return function
 
 
 def export_run(store: EventStore, run_id: str, path: str | Path) -> int:
@@ -431,6 +555,12 @@ def import_events(store: EventStore, path: str | Path) -> int:
     store.append(events)
     logger.info("imported %d events from %s", len(events), source)
     return len(events)
+
+
+def _in_utc(event: Event) -> Event:
+    """The event with its timestamp in UTC, as it reads back from its line."""
+    ts = event.timestamp
+    return event if ts.tzinfo is UTC else replace(event, timestamp=ts.astimezone(UTC))
 
 
 def _order(run: RunSummary) -> tuple[datetime, str]:
