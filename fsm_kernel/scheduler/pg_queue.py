@@ -562,8 +562,13 @@ class _Link:
                 self._conn = None
 
     def _connect(self) -> psycopg.Connection[dict[str, Any]]:
+        """The connection, its session in UTC: psycopg then gives timestamps Python's own
+        `datetime.UTC`, which `Dispatch.from_row` keeps as they are, instead of the server's
+        zone (often `Etc/UTC`, a ZoneInfo) that every row's times would be converted from."""
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+            conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+            conn.execute("SET TIME ZONE 'UTC'")
+            self._conn = conn
         return self._conn
 
 

@@ -21,6 +21,7 @@ beyond the claims the other dispatch tests race.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC
 from typing import Any
 
 import pytest
@@ -365,3 +366,24 @@ def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -
     sql(url, f"COMMENT ON FUNCTION {signature} IS 'fsm-kernel dispatch functions v1'")
     open_queue(url).close()
     assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+
+
+def test_the_queue_reads_times_in_utc_whatever_the_server_zone(url: str, clock: FakeClock) -> None:
+    sql(
+        url,
+        "DO $$BEGIN EXECUTE format('ALTER DATABASE %I SET TimeZone = %L', "
+        "current_database(), 'America/New_York'); END$$",
+    )
+    queue = open_queue(url, clock=clock)
+    try:
+        assert isinstance(queue, PostgresDispatchQueue)
+        made = queue.enqueue(K, "a", "p", 0, None)
+        assert made is not None
+        with queue._main.session() as conn:  # rows' times arrive as Python's own UTC
+            assert conn.execute("SHOW TimeZone").fetchone() == {"TimeZone": "UTC"}
+        row = queue.get(made.dispatch_id)
+        assert row is not None
+        assert row.created_at == clock.now()
+        assert row.created_at.tzinfo is UTC
+    finally:
+        queue.close()
