@@ -163,7 +163,7 @@ def _claimable(condition: str) -> str:
 # ended ones, the reaped ones (failed, cancelled), then the claimed ones. The planner settings:
 # a kernel's slots are made at its first claim, usually after the last ANALYZE saw none, and a
 # plan costed for an empty table scans all of them; every row here is meant to be found by its
-# key.
+# key (so the claim that makes slots also ANALYZEs them, and the plans are made anew).
 FUNCTIONS_VERSION = 2
 """The version of the server-side functions' bodies, kept as the comment of
 fsm_kernel_complete_and_claim: opening a store whose functions carry another (or none) replaces
@@ -328,8 +328,10 @@ _COMPLETE_AND_CLAIM_DDL = _claim_ddl(
                 AND t.attempts = o.attempt
             RETURNING t.*
         LOOP
-            v_ids := v_ids || ended.dispatch_id;
-            v_slots := v_slots || ended.slot;
+            IF ended.slot IS NOT NULL THEN  -- a NULL would make `slot <> ALL(v_slots)` NULL
+                v_ids := v_ids || ended.dispatch_id;
+                v_slots := v_slots || ended.slot;
+            END IF;
             RETURN NEXT ended;
         END LOOP;
     END IF;""",

@@ -343,6 +343,20 @@ def test_a_slot_another_claim_took_after_the_lease_ran_out_is_not_handed_on(
     assert len(queue.claim_batch(K, "w", 60, 1, 1)) == 0
 
 
+def test_an_ended_dispatch_that_held_no_slot_leaves_the_claim_its_free_slots(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, b = enqueue(queue, clock, "a", "b")
+    first = queue.claim_batch(K, "w", 60, 3, 1)
+    # A row that names no slot (made outside this protocol): nothing to hand on, and the claim
+    # still finds the free slots.
+    sql(url, f"UPDATE kernel_dispatch_tasks SET slot = NULL WHERE dispatch_id = '{a.dispatch_id}'")
+    sql(url, "UPDATE kernel_dispatch_slots SET dispatch_id = NULL, lease_expires_at = NULL")
+    _, claimed = queue.complete_and_claim(outcomes_of(first), K, "w", 60, 3, 3)
+    assert [x.dispatch_id for x in claimed] == [b.dispatch_id]
+    assert list(slots_held(url).values()) == [b.dispatch_id]
+
+
 def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -> None:
     open_queue(url).close()
     tag = "SELECT obj_description(to_regprocedure(%s), 'pg_proc') AS tag"
