@@ -20,8 +20,9 @@ counted leases: a worker whose heartbeat comes after its lease ran out renews it
 if the slot went to another dispatch meanwhile, so that run is outside the cap until it ends.
 The claim reads partial indexes over pending and running rows, so its cost does not grow with
 the finished history. A worker's outcomes travel with its next claim (`complete_and_claim`, a
-second function: the outcomes recorded and their slots freed, then the claim, offered those
-slots, in one call); outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
+second function: the outcomes recorded, then the claim, which hands their slots straight on to
+the dispatches it claims, one slot write per job, and frees those it cannot fill, in one call);
+outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
 per statement (`complete_batch`) on a second connection. Both functions plan their statements
 generically from the first call: every row they touch is found by its key.
 
@@ -146,31 +147,54 @@ def _claimable(condition: str) -> str:
 # A claim of up to p_limit dispatches is one prepared call of this function: one round trip,
 # plans cached by the server, no lock held beyond the rows it takes. Being VOLATILE, each
 # statement inside takes a fresh snapshot. Reaping skips rows another statement is changing (the
-# next claim reaps them). Then the slots up to p_cap are made if missing. Slots at or above
-# p_cap mean the cap was lowered: the dispatches holding them count against it until they end,
-# so such a claim locks every slot of the kernel (claims take turns, as they did under the
-# advisory lock, until those slots are gone), deletes the free ones above the cap and counts the
-# held ones: the room left bounds the batch. The claim itself: free slots and claimable
-# dispatches are each locked SKIP LOCKED (no claimer waits for another), the n-th best dispatch
-# goes to the n-th free slot, and both rows are written in the same statement. A slot another
-# claimer filled after this statement's snapshot is re-read by FOR UPDATE and skipped, its lease
-# being live: no slot is ever given twice. Rows come back as the reaped ones (failed,
-# cancelled), then the claimed ones. The planner settings: a kernel's slots are made at its
-# first claim, usually after the last ANALYZE saw none, and a plan costed for an empty table
-# scans all of them; every row here is meant to be found by its key.
+# next claim reaps them); when nothing has expired it is one probe of the running index. Then
+# the slots up to p_cap are made if missing (the highest slot found by one index probe). Slots
+# at or above p_cap mean the cap was lowered: the dispatches holding them count against it until
+# they end, so such a claim frees the slots of the dispatches it just ended, locks every slot of
+# the kernel (claims take turns, as they did under the advisory lock, until those slots are
+# gone), deletes the free ones above the cap and counts the held ones: the room left bounds the
+# batch. The claim itself: the slots of the dispatches this call just ended (`v_slots`, still
+# naming them: see fsm_kernel_complete_and_claim) are handed on first, then free slots; both
+# kinds and the claimable dispatches are locked SKIP LOCKED (no claimer waits for another), the
+# n-th best dispatch goes to the n-th slot, and both rows are written in the same statement. A
+# slot another claimer filled after this statement's snapshot is re-read by FOR UPDATE and
+# skipped, its lease being live (or, handed on, no longer naming the ended dispatch): no slot is
+# ever given twice. Handed-on slots the claim did not fill are freed last. Rows come back as the
+# ended ones, the reaped ones (failed, cancelled), then the claimed ones. The planner settings:
+# a kernel's slots are made at its first claim, usually after the last ANALYZE saw none, and a
+# plan costed for an empty table scans all of them; every row here is meant to be found by its
+# key (so the claim that makes slots also ANALYZEs them, and the plans are made anew).
+FUNCTIONS_VERSION = 2
+"""The version of the server-side functions' bodies, kept as the comment of
+fsm_kernel_complete_and_claim: opening a store whose functions carry another (or none) replaces
+both (`CREATE OR REPLACE`; their signatures do not change, so a worker still running calls the
+new bodies)."""
+_FUNCTIONS_TAG = f"fsm-kernel dispatch functions v{FUNCTIONS_VERSION}"
+_HANDED_ON = (  # slots of the dispatches this call ended, while they still name them
+    "kernel_id = p_kernel AND slot = ANY(v_slots) AND dispatch_id = ANY(v_ids)"
+)
+
+
 def _claim_ddl(name: str, extra_params: str = "", first: str = "") -> str:
-    """The claim function `name` (see above), running `first` (statements) before it claims."""
+    """The claim function `name` (see above), running `first` (statements that may fill
+    v_ids and v_slots with the dispatches they ended) before it claims."""
     return f"""
 CREATE OR REPLACE FUNCTION {name}(
     p_kernel text, p_worker text, p_now timestamptz, p_expires timestamptz, p_cap integer,
     p_cancelled text, p_limit integer{extra_params})
 RETURNS SETOF {TABLE} LANGUAGE plpgsql VOLATILE
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off
-SET enable_bitmapscan = off SET plan_cache_mode = force_generic_plan AS $fn$
+SET enable_bitmapscan = off SET enable_material = off
+SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     reaped {TABLE};
+    ended {TABLE};
     top integer;
     room integer := p_limit;
+    v_ids text[] := '{{}}';
+    v_slots integer[] := '{{}}';
+    filled integer;
+    made integer;
 BEGIN{first}
     FOR reaped IN
         UPDATE {TABLE} SET {reap_assignments(_p)}
@@ -182,11 +206,17 @@ BEGIN{first}
                           'ended ' || reaped.kernel_id || ' ' || reaped.dispatch_id);
         RETURN NEXT reaped;
     END LOOP;
-    SELECT max(slot) INTO top FROM {SLOTS} WHERE kernel_id = p_kernel;
+    SELECT slot INTO top FROM {SLOTS} WHERE kernel_id = p_kernel ORDER BY slot DESC LIMIT 1;
     IF top IS NULL OR top < p_cap - 1 THEN
         INSERT INTO {SLOTS} (kernel_id, slot)
         SELECT p_kernel, n FROM generate_series(0, p_cap - 1) AS n ON CONFLICT DO NOTHING;
+        GET DIAGNOSTICS made = ROW_COUNT;
+        IF made > 0 THEN
+            ANALYZE {SLOTS};
+        END IF;
     ELSIF top >= p_cap THEN
+        UPDATE {SLOTS} SET dispatch_id = NULL, lease_expires_at = NULL WHERE {_HANDED_ON};
+        v_slots := '{{}}';
         PERFORM 1 FROM {SLOTS} WHERE kernel_id = p_kernel ORDER BY slot FOR UPDATE;
         DELETE FROM {SLOTS} WHERE kernel_id = p_kernel AND slot >= p_cap AND {_FREE_SLOT};
         SELECT least(p_limit, p_cap - count(*)) INTO room FROM {SLOTS}
@@ -196,10 +226,15 @@ BEGIN{first}
         END IF;
     END IF;
     RETURN QUERY
-    WITH free AS (
-        SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM (
-            SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot < p_cap
-            AND {_FREE_SLOT} ORDER BY slot LIMIT room FOR UPDATE SKIP LOCKED) AS f),
+    WITH handed AS (
+        SELECT slot FROM {SLOTS} WHERE {_HANDED_ON} LIMIT room FOR UPDATE SKIP LOCKED),
+    spare AS (
+        SELECT slot FROM {SLOTS} WHERE kernel_id = p_kernel AND slot < p_cap
+        AND {_FREE_SLOT} AND slot <> ALL(v_slots) ORDER BY slot
+        LIMIT greatest(room - (SELECT count(*) FROM handed), 0) FOR UPDATE SKIP LOCKED),
+    free AS (
+        SELECT slot, row_number() OVER () AS n
+        FROM (SELECT slot FROM handed UNION ALL SELECT slot FROM spare) AS f),
     pending AS ({_claimable("status = 'pending'")}),
     expired AS ({_claimable(reclaimable_sql("p_now"))}),
     ranked AS MATERIALIZED (
@@ -213,6 +248,10 @@ BEGIN{first}
     UPDATE {TABLE} AS t SET {claim_assignments(_p)}, slot = pairs.slot
     FROM pairs WHERE t.dispatch_id = pairs.dispatch_id
     RETURNING t.*;
+    GET DIAGNOSTICS filled = ROW_COUNT;
+    IF filled < cardinality(v_slots) THEN
+        UPDATE {SLOTS} SET dispatch_id = NULL, lease_expires_at = NULL WHERE {_HANDED_ON};
+    END IF;
 END
 $fn$"""
 
@@ -263,29 +302,38 @@ _COMPLETE_AND_CLAIM_SIGNATURE = (
     "integer, text[], integer[], text[], text[], text[], text[])"
 )
 # A worker's outcomes and its next claim in one call: each outcome fenced like `complete` (the
-# row still running under p_worker at that attempt) and its slot freed, then, in a statement
-# that sees those ends, the claim, which is offered the slots just freed. So an end wakes no
-# one: the worker that freed the slots takes them, and leaves them free only when nothing is
-# left to claim. Rows come back as the finished ones, then the claim's (reaped, claimed).
+# row still running under p_worker at that attempt), its slot left as it is and remembered
+# (v_ids, v_slots), then, in a statement that sees those ends, the claim, which hands those
+# slots on to the dispatches it claims (one write of a slot per job instead of a free and a
+# take) and frees the ones it cannot fill. So an end wakes no one: the worker that ended the
+# dispatches takes their slots, and leaves them free only when nothing is left to claim. Rows
+# come back as the finished ones, then the claim's (reaped, claimed).
 _COMPLETE_AND_CLAIM_DDL = _claim_ddl(
     _COMPLETE_AND_CLAIM_FUNCTION,
     """, p_ids text[], p_attempts integer[], p_statuses text[],
     p_run_ids text[], p_reasons text[], p_errors text[]""",
     f"""
     IF cardinality(p_ids) > 0 THEN
-        RETURN QUERY
-        WITH outcome AS (
-            SELECT * FROM unnest(p_ids, p_attempts, p_statuses, p_run_ids, p_reasons, p_errors)
-                AS o(dispatch_id, attempt, status, run_id, termination_reason, error)),
-        changed AS (
+        FOR ended IN
+            WITH outcome AS (
+                SELECT * FROM unnest(p_ids, p_attempts, p_statuses, p_run_ids, p_reasons,
+                                     p_errors)
+                    AS o(dispatch_id, attempt, status, run_id, termination_reason, error))
             UPDATE {TABLE} AS t SET status = o.status, run_id = o.run_id,
                 termination_reason = o.termination_reason, error = o.error,
                 finished_at = p_now, lease_expires_at = NULL
             FROM outcome AS o
-            WHERE t.dispatch_id = o.dispatch_id AND t.status = 'running'
-                AND t.worker_id = p_worker AND t.attempts = o.attempt
-            RETURNING t.*),{_SLOT_FOLLOWS}
-        SELECT * FROM changed;
+            WHERE t.dispatch_id = o.dispatch_id AND t.dispatch_id = ANY(p_ids)
+                AND CASE WHEN t.status = 'running' THEN t.worker_id END = p_worker
+                AND t.attempts = o.attempt
+            RETURNING t.*
+        LOOP
+            IF ended.slot IS NOT NULL THEN  -- a NULL would make `slot <> ALL(v_slots)` NULL
+                v_ids := v_ids || ended.dispatch_id;
+                v_slots := v_slots || ended.slot;
+            END IF;
+            RETURN NEXT ended;
+        END LOOP;
     END IF;""",
 )
 _COMPLETE_AND_CLAIM = (
@@ -417,20 +465,25 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         conn.execute(_ADVISORY_LOCK, (_SCHEMA_LOCK_KEY,))
 
     def _install(self, conn: Executor) -> None:
-        """The slots and the claim function, once (again after the dispatch table, and the
-        function with it, was dropped): the slots are made anew from the running dispatches,
-        and the advisory-lock claim function goes."""
+        """The slots and the claim functions: the slots once (again after the dispatch table,
+        and the functions with it, was dropped), made anew from the running dispatches, when
+        the advisory-lock claim function goes; the functions whenever theirs are missing or of
+        another FUNCTIONS_VERSION (a store opened by an older fsm-kernel gets the new bodies)."""
         found = conn.execute(
-            "SELECT to_regprocedure(%s) AS claim, to_regprocedure(%s) AS combined",
+            "SELECT to_regprocedure(%s) AS claim, obj_description(to_regprocedure(%s), "
+            "'pg_proc') AS tag",
             (_CLAIM_SIGNATURE, _COMPLETE_AND_CLAIM_SIGNATURE),
         ).fetchone()
         if found is None or found["claim"] is None:
             for statement in (*_SLOTS_DDL, *_SEED_SLOTS):
                 conn.execute(statement)
-            conn.execute(_CLAIM_DDL)
             conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
-        if found is None or found["combined"] is None:
+        if found is None or found["claim"] is None or found["tag"] != _FUNCTIONS_TAG:
+            conn.execute(_CLAIM_DDL)
             conn.execute(_COMPLETE_AND_CLAIM_DDL)
+            conn.execute(
+                f"COMMENT ON FUNCTION {_COMPLETE_AND_CLAIM_SIGNATURE} IS '{_FUNCTIONS_TAG}'"
+            )
 
     def _fenced_sql(
         self, sql: str, params: tuple[Any, ...], notify: tuple[int | None, datetime] | None
@@ -511,8 +564,13 @@ class _Link:
                 self._conn = None
 
     def _connect(self) -> psycopg.Connection[dict[str, Any]]:
+        """The connection, its session in UTC: psycopg then gives timestamps Python's own
+        `datetime.UTC`, which `Dispatch.from_row` keeps as they are, instead of the server's
+        zone (often `Etc/UTC`, a ZoneInfo) that every row's times would be converted from."""
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+            conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+            conn.execute("SET TIME ZONE 'UTC'")
+            self._conn = conn
         return self._conn
 
 

@@ -11,16 +11,22 @@ beyond the claims the other dispatch tests race.
 - A batch of ends wakes idle workers (NOTIFY `ended`) only when the kernel's cap was full; ends
   recorded by a worker's claim (`complete_and_claim`) wake no one: that claim takes the slots
   they free. Its rows tell the outcomes it recorded from the dispatches it reaped.
+- That claim hands the slots of the dispatches it ended straight on to those it claims (not to
+  a lower free slot), frees the ones it cannot fill, counts them exactly under a lowered cap,
+  and never hands on a slot another claim took after its lease ran out.
+- Opening a store whose claim functions are of another version (or of none: an older
+  fsm-kernel made them) replaces their bodies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC
 from typing import Any
 
 import pytest
 
-from fsm_kernel.scheduler import Dispatch, open_queue
+from fsm_kernel.scheduler import Dispatch, open_queue, pg_queue
 from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
 from fsm_kernel.scheduler.queue import Completion
 from tests.unit.test_scheduler_fakes import FakeClock, pg_url
@@ -240,3 +246,158 @@ def test_a_claim_that_records_outcomes_tells_them_from_the_dispatches_it_reaps(
         "failed",
         "abandoned after 1 attempt: lease expired",
     )
+
+
+def slots_held(url: str) -> dict[int, str]:
+    rows = sql(
+        url,
+        f"SELECT slot, dispatch_id FROM kernel_dispatch_slots WHERE kernel_id = '{K}' "
+        "AND dispatch_id IS NOT NULL",
+    )
+    return {r["slot"]: r["dispatch_id"] for r in rows}
+
+
+def outcomes_of(claimed: list[Dispatch]) -> list[Completion]:
+    return [
+        Completion(dispatch_id=d.dispatch_id, worker_id="w", attempt=d.attempts, status="done")
+        for d in claimed
+    ]
+
+
+def test_a_claim_hands_the_slots_of_the_dispatches_it_ended_to_those_it_claims(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, b, c, d, e, f = enqueue(queue, clock, "a", "b", "c", "d", "e", "f")
+    first = queue.claim_batch(K, "w", 60, 10, 4)
+    assert slots_held(url) == {n: x.dispatch_id for n, x in enumerate((a, b, c, d))}
+    queue.complete(a.dispatch_id, "w", status="done", attempt=1)  # slot 0 free
+    # c's and d's ends hand slots 2 and 3 on to e and f: not the lower free slot 0.
+    results, claimed = queue.complete_and_claim(outcomes_of(first[2:]), K, "w", 60, 10, 2)
+    assert [(r.dispatch_id, r.status.value) for r in results] == [  # type: ignore[union-attr]
+        (c.dispatch_id, "done"),
+        (d.dispatch_id, "done"),
+    ]
+    assert [x.dispatch_id for x in claimed] == [e.dispatch_id, f.dispatch_id]
+    after = slots_held(url)
+    assert sorted(after) == [1, 2, 3]
+    assert after[1] == b.dispatch_id
+    assert {after[2], after[3]} == {e.dispatch_id, f.dispatch_id}
+    for slot in (2, 3):  # each dispatch row names the slot that names it
+        rows = sql(
+            url, f"SELECT slot FROM kernel_dispatch_tasks WHERE dispatch_id = '{after[slot]}'"
+        )
+        assert rows == [{"slot": slot}]
+    assert {x.status.value for x in claimed} == {"running"}
+
+
+def test_slots_handed_on_that_no_claim_fills_are_freed(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    enqueue(queue, clock, "a", "b", "c")
+    first = queue.claim_batch(K, "w", 60, 3, 3)
+    assert len(slots_held(url)) == 3
+    # Nothing is left to claim: every slot the ends would have handed on is free again.
+    assert queue.complete_and_claim(outcomes_of(first[:2]), K, "w", 60, 3, 3)[1] == []
+    assert list(slots_held(url).values()) == [first[2].dispatch_id]
+    # A claim limited to fewer dispatches than it ended frees the rest.
+    (d,) = enqueue(queue, clock, "d")
+    enqueue(queue, clock, "e")
+    _, claimed = queue.complete_and_claim(outcomes_of(first[2:]), K, "w", 60, 3, 1)
+    assert [x.dispatch_id for x in claimed] == [d.dispatch_id]
+    assert list(slots_held(url).values()) == [d.dispatch_id]
+    # The cap counts exactly what runs: two more fit beside d, not one more or three.
+    assert len(queue.claim_batch(K, "other", 60, 3, 5)) == 1  # e, the only one pending
+    f, _ = enqueue(queue, clock, "f", "g")
+    assert [x.dispatch_id for x in queue.claim_batch(K, "other", 60, 3, 5)] == [f.dispatch_id]
+
+
+def test_a_claim_under_a_lowered_cap_counts_the_slots_its_own_ends_free(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    enqueue(queue, clock, "a", "b", "c", "d", "e")
+    first = queue.claim_batch(K, "w", 60, 3, 3)  # slots 0, 1, 2
+    # The cap lowered to 2 while three run: ending two leaves one running, so one more fits.
+    results, claimed = queue.complete_and_claim(outcomes_of(first[1:]), K, "w", 60, 2, 5)
+    assert [r.status.value for r in results] == ["done", "done"]  # type: ignore[union-attr]
+    assert [x.agent_id for x in claimed] == ["d"]
+    assert len(slots_held(url)) == 2
+    assert queue.claim_batch(K, "w", 60, 2, 5) == []  # a and d: the lower cap is full
+
+
+def test_a_slot_another_claim_took_after_the_lease_ran_out_is_not_handed_on(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    (a,) = enqueue(queue, clock, "a")
+    (mine,) = queue.claim_batch(K, "w", 10, 1, 1)
+    urgent = queue.enqueue(K, "b", "p", 5, None)
+    assert urgent is not None
+    enqueue(queue, clock, "c")
+    clock.advance(20)  # w's lease ran out: the one slot is free, and b comes before a
+    assert [x.dispatch_id for x in queue.claim_batch(K, "other", 60, 1, 1)] == [urgent.dispatch_id]
+    results, claimed = queue.complete_and_claim(outcomes_of([mine]), K, "w", 60, 1, 1)
+    assert [(r.dispatch_id, r.status.value) for r in results] == [  # type: ignore[union-attr]
+        (a.dispatch_id, "done")  # still running under w: recorded
+    ]
+    assert claimed == []  # its slot is b's now: not handed on to c, nor freed
+    assert slots_held(url) == {0: urgent.dispatch_id}
+    assert len(queue.claim_batch(K, "w", 60, 1, 1)) == 0
+
+
+def test_an_ended_dispatch_that_held_no_slot_leaves_the_claim_its_free_slots(
+    url: str, queue: PostgresDispatchQueue, clock: FakeClock
+) -> None:
+    a, b = enqueue(queue, clock, "a", "b")
+    first = queue.claim_batch(K, "w", 60, 3, 1)
+    # A row that names no slot (made outside this protocol): nothing to hand on, and the claim
+    # still finds the free slots.
+    sql(url, f"UPDATE kernel_dispatch_tasks SET slot = NULL WHERE dispatch_id = '{a.dispatch_id}'")
+    sql(url, "UPDATE kernel_dispatch_slots SET dispatch_id = NULL, lease_expires_at = NULL")
+    _, claimed = queue.complete_and_claim(outcomes_of(first), K, "w", 60, 3, 3)
+    assert [x.dispatch_id for x in claimed] == [b.dispatch_id]
+    assert list(slots_held(url).values()) == [b.dispatch_id]
+
+
+def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -> None:
+    open_queue(url).close()
+    tag = "SELECT obj_description(to_regprocedure(%s), 'pg_proc') AS tag"
+    signature = pg_queue._COMPLETE_AND_CLAIM_SIGNATURE
+    assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    # What an older fsm-kernel left: the same signatures, other bodies, no version comment.
+    for ddl in (pg_queue._CLAIM_DDL, pg_queue._COMPLETE_AND_CLAIM_DDL):
+        header = ddl[: ddl.index("$fn$")]
+        sql(url, f"{header}$fn$ BEGIN RAISE EXCEPTION 'the old body'; END $fn$")
+    sql(url, f"COMMENT ON FUNCTION {pg_queue._COMPLETE_AND_CLAIM_SIGNATURE} IS NULL")
+    stale = open_queue(url)
+    try:
+        assert isinstance(stale, PostgresDispatchQueue)
+        stale.enqueue(K, "a", "p", 0, None)
+        (claimed,) = stale.claim_batch(K, "w", 60, 2, 2)
+        assert stale.complete_and_claim(outcomes_of([claimed]), K, "w", 60, 2, 2)[1] == []
+    finally:
+        stale.close()
+    assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    # A store whose functions carry another version is brought to this one too.
+    sql(url, f"COMMENT ON FUNCTION {signature} IS 'fsm-kernel dispatch functions v1'")
+    open_queue(url).close()
+    assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+
+
+def test_the_queue_reads_times_in_utc_whatever_the_server_zone(url: str, clock: FakeClock) -> None:
+    sql(
+        url,
+        "DO $$BEGIN EXECUTE format('ALTER DATABASE %I SET TimeZone = %L', "
+        "current_database(), 'America/New_York'); END$$",
+    )
+    queue = open_queue(url, clock=clock)
+    try:
+        assert isinstance(queue, PostgresDispatchQueue)
+        made = queue.enqueue(K, "a", "p", 0, None)
+        assert made is not None
+        with queue._main.session() as conn:  # rows' times arrive as Python's own UTC
+            assert conn.execute("SHOW TimeZone").fetchone() == {"TimeZone": "UTC"}
+        row = queue.get(made.dispatch_id)
+        assert row is not None
+        assert row.created_at == clock.now()
+        assert row.created_at.tzinfo is UTC
+    finally:
+        queue.close()
