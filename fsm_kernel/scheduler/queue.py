@@ -325,11 +325,13 @@ class DispatchQueue(Protocol):
         lease_seconds: float,
         max_concurrent: int,
         limit: int,
-    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
         """`complete_batch` of a worker's outcomes (each fenced; all by `worker_id`), then
         `claim_batch`, in one transaction (PostgreSQL: one statement, one round trip): the
         slots the outcomes free are offered to the claim, so no end needs to wake anyone.
-        Returns the outcomes' results, in order, and the claimed dispatches, best first.
+        Returns the outcomes' results, in order (None: recorded; the StoreConflictError of a
+        lost lease: not recorded; not the finished rows, which the worker never reads), and
+        the claimed dispatches, best first.
         StoreError if the store failed: nothing was recorded or claimed."""
         ...
 
