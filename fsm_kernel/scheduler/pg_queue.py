@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -167,8 +168,10 @@ def _claimable(condition: str) -> str:
 FUNCTIONS_VERSION = 3
 """The version of the server-side functions' bodies, kept as the comment of
 fsm_kernel_complete_and_claim: opening a store whose functions carry another (or none) replaces
-both (`CREATE OR REPLACE`; their signatures do not change, so a worker still running calls the
-new bodies)."""
+both (`CREATE OR REPLACE`). Version 3 takes the outcomes as one JSON value instead of six arrays
+and returns a recorded outcome as its id alone: version 2's function (another signature) is
+dropped, so a worker of that version still running fails its claims (a logged StoreError,
+retried) until it is upgraded, instead of misreading the rows."""
 _FUNCTIONS_TAG = f"fsm-kernel dispatch functions v{FUNCTIONS_VERSION}"
 _HANDED_ON = (  # slots of the dispatches this call ended, while they still name them
     "kernel_id = p_kernel AND slot = ANY(v_slots) AND dispatch_id = ANY(v_ids)"
@@ -300,6 +303,10 @@ changed AS (
 _COMPLETE_AND_CLAIM_FUNCTION = "fsm_kernel_complete_and_claim"
 _COMPLETE_AND_CLAIM_SIGNATURE = (
     f"{_COMPLETE_AND_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text, "
+    "integer, json)"
+)
+_ARRAYS_SIGNATURE = (  # FUNCTIONS_VERSION 2 and before: the outcomes as six arrays
+    f"{_COMPLETE_AND_CLAIM_FUNCTION}(text, text, timestamptz, timestamptz, integer, text, "
     "integer, text[], integer[], text[], text[], text[], text[])"
 )
 # A worker's outcomes and its next claim in one call: each outcome fenced like `complete` (the
@@ -313,20 +320,19 @@ _COMPLETE_AND_CLAIM_SIGNATURE = (
 # know it was recorded, and ten full rows a batch cost it ~0.1 ms to receive and parse.
 _COMPLETE_AND_CLAIM_DDL = _claim_ddl(
     _COMPLETE_AND_CLAIM_FUNCTION,
-    """, p_ids text[], p_attempts integer[], p_statuses text[],
-    p_run_ids text[], p_reasons text[], p_errors text[]""",
+    ", p_outcomes json",
     f"""
-    IF cardinality(p_ids) > 0 THEN
+    IF p_outcomes IS NOT NULL THEN
         FOR ended IN
-            WITH outcome AS (
-                SELECT * FROM unnest(p_ids, p_attempts, p_statuses, p_run_ids, p_reasons,
-                                     p_errors)
-                    AS o(dispatch_id, attempt, status, run_id, termination_reason, error))
+            WITH outcome AS MATERIALIZED (
+                SELECT o->>0 AS dispatch_id, (o->>1)::integer AS attempt, o->>2 AS status,
+                    o->>3 AS run_id, o->>4 AS termination_reason, o->>5 AS error
+                FROM json_array_elements(p_outcomes) AS o)
             UPDATE {TABLE} AS t SET status = o.status, run_id = o.run_id,
                 termination_reason = o.termination_reason, error = o.error,
                 finished_at = p_now, lease_expires_at = NULL
             FROM outcome AS o
-            WHERE t.dispatch_id = o.dispatch_id AND t.dispatch_id = ANY(p_ids)
+            WHERE t.dispatch_id = o.dispatch_id
                 AND CASE WHEN t.status = 'running' THEN t.worker_id END = p_worker
                 AND t.attempts = o.attempt
             RETURNING t.*
@@ -341,8 +347,7 @@ _COMPLETE_AND_CLAIM_DDL = _claim_ddl(
     END IF;""",
 )
 _COMPLETE_AND_CLAIM = (
-    f"SELECT {COLS} FROM {_COMPLETE_AND_CLAIM_FUNCTION}"
-    "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    f"SELECT {COLS} FROM {_COMPLETE_AND_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s, %s)"
 )
 
 
@@ -400,20 +405,16 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         max_concurrent: int,
         limit: int,
     ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
-        """One call of the server-side function: the outcomes travel as arrays and come back as
-        the ids recorded; one it did not record (a lost lease) is read back for its conflict."""
+        """One call of the server-side function: the outcomes travel as one JSON value and come
+        back as the ids recorded; one it did not record (a lost lease) is read back for its
+        conflict."""
         now = self.clock.now()
         expires = now + timedelta(seconds=lease_seconds)
-        outcomes = [
-            [getattr(c, name) for c in completions]
-            for name in ("dispatch_id", "attempt", "status", "run_id", "termination_reason")
-        ]
-        outcomes[2] = [validate_final_status(status).value for status in outcomes[2]]
-        errors = [c.error for c in completions]
+        outcomes = _outcomes_json(completions)
         params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
             rows = conn.execute(  # prepared at once: a worker calls it every batch
-                _COMPLETE_AND_CLAIM, (*params, *outcomes, errors), prepare=True
+                _COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True
             ).fetchall()
             recorded, reaped, claimed = _sorted_rows(rows)
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
@@ -484,6 +485,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
                 conn.execute(statement)
             conn.execute(f"DROP FUNCTION IF EXISTS {_OLD_CLAIM_FUNCTION}")
         if found is None or found["claim"] is None or found["tag"] != _FUNCTIONS_TAG:
+            conn.execute(f"DROP FUNCTION IF EXISTS {_ARRAYS_SIGNATURE}")
             conn.execute(_CLAIM_DDL)
             conn.execute(_COMPLETE_AND_CLAIM_DDL)
             conn.execute(
@@ -512,6 +514,27 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     _read = _session
     """Autocommit: each statement is its own (implicit) transaction, a single round trip."""
     _write = _session
+
+
+def _outcomes_json(completions: builtins.list[Completion]) -> str | None:
+    """The outcomes as one JSON value, an array per outcome (id, attempt, status, run id,
+    reason, error): one parameter is cheaper to send than six arrays. None when there are none."""
+    if not completions:
+        return None
+    return json.dumps(
+        [
+            (
+                c.dispatch_id,
+                c.attempt,
+                validate_final_status(c.status).value,
+                c.run_id,
+                c.termination_reason,
+                c.error,
+            )
+            for c in completions
+        ],
+        separators=(",", ":"),
+    )
 
 
 def _sorted_rows(

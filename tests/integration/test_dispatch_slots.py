@@ -379,10 +379,26 @@ def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -
     finally:
         stale.close()
     assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
-    # A store whose functions carry another version is brought to this one too: v2's bodies
-    # returned each recorded outcome's whole row, which this version would take for a reaped
-    # dispatch and report the outcome lost.
-    sql(url, f"COMMENT ON FUNCTION {signature} IS 'fsm-kernel dispatch functions v2'")
+    # A store whose functions carry another version is brought to this one too.
+    sql(url, f"COMMENT ON FUNCTION {signature} IS 'fsm-kernel dispatch functions v1'")
+    open_queue(url).close()
+    assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    # What version 2 left: the outcomes as six arrays (another signature), each recorded one
+    # returned as its whole row. Its function goes: a worker of that version still running
+    # fails its claims (a StoreError it logs) instead of misreading this version's rows.
+    arrays = pg_queue._ARRAYS_SIGNATURE
+    sql(url, f"DROP FUNCTION {signature}")
+    header = pg_queue._COMPLETE_AND_CLAIM_DDL[: pg_queue._COMPLETE_AND_CLAIM_DDL.index("$fn$")]
+    header = header.replace(
+        "p_outcomes json",
+        "p_ids text[], p_attempts integer[], "
+        "p_statuses text[], p_run_ids text[], p_reasons text[], "
+        "p_errors text[]",
+    )
+    sql(url, f"{header}$fn$ BEGIN RAISE EXCEPTION 'the v2 body'; END $fn$")
+    sql(url, f"COMMENT ON FUNCTION {arrays} IS 'fsm-kernel dispatch functions v2'")
+    exists = "SELECT to_regprocedure(%s) IS NOT NULL AS found"
+    assert sql(url, exists.replace("%s", f"'{arrays}'")) == [{"found": True}]
     again = open_queue(url)
     try:
         assert isinstance(again, PostgresDispatchQueue)
@@ -393,6 +409,7 @@ def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -
     finally:
         again.close()
     assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    assert sql(url, exists.replace("%s", f"'{arrays}'")) == [{"found": False}]
 
 
 def test_the_queue_reads_times_in_utc_whatever_the_server_zone(url: str, clock: FakeClock) -> None:
