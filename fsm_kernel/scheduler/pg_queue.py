@@ -70,6 +70,7 @@ from fsm_kernel.scheduler._queue_sql import (
 )
 from fsm_kernel.scheduler.queue import (
     CANCELLED_EXPIRED,
+    COLUMNS,
     NOTIFY_CHANNEL,
     TABLE,
     Completion,
@@ -83,7 +84,7 @@ from fsm_kernel.scheduler.queue import (
 
 try:
     import psycopg
-    from psycopg.rows import dict_row
+    from psycopg.rows import dict_row, tuple_row
 except ImportError as exc:  # pragma: no cover - the test extra always installs psycopg
     raise ImportError(
         "the PostgreSQL dispatch queue needs psycopg: pip install 'fsm-kernel[postgres]'"
@@ -413,9 +414,11 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         outcomes = _outcomes_json(completions)
         params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
         with self._session() as conn:
-            rows = conn.execute(  # prepared at once: a worker calls it every batch
-                _COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True
-            ).fetchall()
+            rows = (  # prepared at once: a worker calls it every batch
+                conn.cursor(row_factory=tuple_row)
+                .execute(_COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True)
+                .fetchall()
+            )
             recorded, reaped, claimed = _sorted_rows(rows)
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
             current = self._current(conn, lost) if lost else {}
@@ -537,19 +540,23 @@ def _outcomes_json(completions: builtins.list[Completion]) -> str | None:
     )
 
 
+_ID, _STATUS = COLUMNS.index("dispatch_id"), COLUMNS.index("status")
+
+
 def _sorted_rows(
-    rows: builtins.list[Any],
+    rows: builtins.list[tuple[Any, ...]],
 ) -> tuple[set[str], builtins.list[Dispatch], builtins.list[Dispatch]]:
-    """complete_and_claim's rows as the ids of the outcomes recorded (a row with no status:
-    the function returns the id alone), the reaped dispatches and the claimed ones."""
+    """complete_and_claim's rows (tuples of COLUMNS) as the ids of the outcomes recorded (a row
+    with no status: the function returns the id alone), the reaped dispatches and the claimed
+    ones."""
     recorded: set[str] = set()
     reaped: builtins.list[Dispatch] = []
     claimed: builtins.list[Dispatch] = []
     for row in rows:
-        if row["status"] is None:
-            recorded.add(row["dispatch_id"])
+        if row[_STATUS] is None:
+            recorded.add(row[_ID])
             continue
-        d = Dispatch.from_row(row)
+        d = Dispatch.from_tuple(row)
         (claimed if d.status is DispatchStatus.RUNNING else reaped).append(d)
     return recorded, reaped, claimed
 

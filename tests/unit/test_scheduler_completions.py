@@ -143,3 +143,18 @@ def test_outcomes_given_back_or_left_at_stop_are_recorded_and_fenced(
     assert isinstance(results[2], StoreConflictError)
     assert status(queue, c) is DispatchStatus.RUNNING  # the fenced outcome was not recorded
     assert queue.alone == [1, 2]
+
+
+def test_a_row_read_as_a_tuple_is_the_same_dispatch_as_read_by_name(queue: CountingQueue) -> None:
+    """The PostgreSQL worker reads its claims as tuples of COLUMNS (Dispatch.from_tuple): the
+    same object as from_row, times, status and integers converted alike; a short row fails."""
+    from fsm_kernel.scheduler.queue import COLUMNS
+
+    (a,) = claimed(queue, 1)
+    row = {**a.to_dict(), "attempts": "1", "priority": 0}  # ISO times, status as text
+    by_tuple = Dispatch.from_tuple(tuple(row[name] for name in COLUMNS))
+    assert by_tuple == Dispatch.from_row(row) == a
+    assert by_tuple.status is DispatchStatus.RUNNING
+    assert by_tuple.attempts == 1
+    with pytest.raises(ValueError, match="shorter"):
+        Dispatch.from_tuple(tuple(row[name] for name in COLUMNS[:-1]))
