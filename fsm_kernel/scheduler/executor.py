@@ -139,7 +139,7 @@ class CompletionBuffer:
     def __init__(self, queue: DispatchQueue, max_concurrent: int | None) -> None:
         self.queue = queue
         self.max_concurrent = max_concurrent
-        self._pending: list[tuple[Completion, asyncio.Future[Dispatch]]] = []
+        self._pending: list[tuple[Completion, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._carried = False
         self._fallback: asyncio.TimerHandle | None = None
@@ -153,10 +153,10 @@ class CompletionBuffer:
             if self._pending:
                 self._start_flush()
 
-    async def complete(self, completion: Completion) -> Dispatch:
-        """The finished row. StoreConflictError if the lease was lost, StoreError if the store
-        failed."""
-        future: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
+    async def complete(self, completion: Completion) -> None:
+        """Once the outcome is recorded. StoreConflictError if the lease was lost, StoreError
+        if the store failed."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((completion, future))
         if not self._carried:
             self._start_flush()
@@ -165,7 +165,7 @@ class CompletionBuffer:
             self._fallback = loop.call_later(CARRY_SECONDS, self._carry_timed_out)
         return await future
 
-    def take(self) -> list[tuple[Completion, asyncio.Future[Dispatch]]]:
+    def take(self) -> list[tuple[Completion, asyncio.Future[None]]]:
         """The waiting outcomes (at most MAX_COMPLETION_BATCH), for the caller to record and
         then `settle`."""
         batch = self._pending[:MAX_COMPLETION_BATCH]
@@ -174,7 +174,7 @@ class CompletionBuffer:
             self._cancel_fallback()
         return batch
 
-    def give_back(self, batch: list[tuple[Completion, asyncio.Future[Dispatch]]]) -> None:
+    def give_back(self, batch: list[tuple[Completion, asyncio.Future[None]]]) -> None:
         """A taken batch the caller could not record: it is flushed on its own now."""
         if batch:
             self._pending[:0] = batch
@@ -182,11 +182,12 @@ class CompletionBuffer:
 
     @staticmethod
     def settle(
-        batch: list[tuple[Completion, asyncio.Future[Dispatch]]],
-        results: Sequence[Dispatch | Exception] | Exception,
+        batch: list[tuple[Completion, asyncio.Future[None]]],
+        results: Sequence[object] | Exception,
     ) -> None:
-        """Hand each run of a taken batch its result: its row, its lease conflict, or the
-        store's failure (one exception for the whole batch)."""
+        """Hand each run of a taken batch its result: recorded (any value that is not an
+        exception: None, or complete_batch's row), its lease conflict, or the store's failure
+        (one exception for the whole batch)."""
         outcomes = [results] * len(batch) if isinstance(results, Exception) else results
         for (_, future), result in zip(batch, outcomes, strict=True):
             if future.done():  # its run was cancelled meanwhile
@@ -194,7 +195,7 @@ class CompletionBuffer:
             if isinstance(result, Exception):
                 future.set_exception(result)
             else:
-                future.set_result(result)
+                future.set_result(None)
 
     def _start_flush(self) -> None:
         if self._flusher is None or self._flusher.done():

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -175,7 +175,17 @@ class Dispatch:
         A worker parses two rows per dispatch (claimed, then finished), so this fills the
         frozen instance's fields directly instead of through the generated __init__ (one
         `object.__setattr__` per field): about a third of the cost, the same object."""
-        values = {name: row[name] for name in COLUMNS}
+        return cls._filled({name: row[name] for name in COLUMNS})
+
+    @classmethod
+    def from_tuple(cls, row: Sequence[Any]) -> Dispatch:
+        """`from_row` for a row of the COLUMNS in their order (a worker's claims read rows as
+        tuples: no dict per row for the driver to build)."""
+        return cls._filled(dict(zip(COLUMNS, row, strict=True)))
+
+    @classmethod
+    def _filled(cls, values: dict[str, Any]) -> Dispatch:
+        """The instance holding these column values, converted (times, status, integers)."""
         for name in _ALL_TIME_COLUMNS:
             if values[name] is not None:
                 values[name] = _as_datetime(values[name])
@@ -325,11 +335,13 @@ class DispatchQueue(Protocol):
         lease_seconds: float,
         max_concurrent: int,
         limit: int,
-    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
         """`complete_batch` of a worker's outcomes (each fenced; all by `worker_id`), then
         `claim_batch`, in one transaction (PostgreSQL: one statement, one round trip): the
         slots the outcomes free are offered to the claim, so no end needs to wake anyone.
-        Returns the outcomes' results, in order, and the claimed dispatches, best first.
+        Returns the outcomes' results, in order (None: recorded; the StoreConflictError of a
+        lost lease: not recorded; not the finished rows, which the worker never reads), and
+        the claimed dispatches, best first.
         StoreError if the store failed: nothing was recorded or claimed."""
         ...
 

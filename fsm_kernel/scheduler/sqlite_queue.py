@@ -93,7 +93,7 @@ class SqliteDispatchQueue(SqlDispatchQueue):
         lease_seconds: float,
         max_concurrent: int,
         limit: int,
-    ) -> tuple[builtins.list[Dispatch | StoreConflictError], builtins.list[Dispatch]]:
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
         """The outcomes' fenced updates, then the claim, in one transaction (one commit)."""
         now = self.clock.now()
         with self._transaction() as conn:
@@ -102,7 +102,7 @@ class SqliteDispatchQueue(SqlDispatchQueue):
                 conn, now, kernel_id, worker_id, lease_seconds, max_concurrent, limit
             )
         log_reaped(reaped)
-        return results, claimed
+        return [r if isinstance(r, StoreConflictError) else None for r in results], claimed
 
     def _claim_on(
         self,

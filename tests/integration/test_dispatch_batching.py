@@ -150,12 +150,10 @@ def test_complete_and_claim_records_the_outcomes_then_claims_into_the_slots_they
         2,
         2,
     )
-    assert not isinstance(results[0], Exception)
-    assert (results[0].dispatch_id, results[0].status, results[0].error) == (
-        a,
-        DispatchStatus.FAILED,
-        "E: boom",
-    )
+    assert results[0] is None  # recorded (the worker gets no row back)
+    recorded = queue.get(a)
+    assert recorded is not None
+    assert (recorded.status, recorded.error) == (DispatchStatus.FAILED, "E: boom")
     assert isinstance(results[1], StoreConflictError)
     assert f"worker w no longer holds dispatch {b}" in str(results[1])
     # a's end freed one slot and the same call took it; b still holds the other.
@@ -166,8 +164,41 @@ def test_complete_and_claim_records_the_outcomes_then_claims_into_the_slots_they
     results, claimed = queue.complete_and_claim(
         [done("w", b, 1), done("w", c, 1)], KERNEL, "w", 60, 2, 5
     )
-    assert [r.status for r in results if not isinstance(r, Exception)] == [DispatchStatus.DONE] * 2
+    assert results == [None, None]
+    assert [queue.get(x).status for x in (b, c)] == [DispatchStatus.DONE] * 2  # type: ignore[union-attr]
     assert [x.dispatch_id for x in claimed] == [d, e]
+
+
+def test_complete_and_claim_records_each_outcomes_fields_exactly(queue: DispatchQueue) -> None:
+    """The outcomes travel as one JSON value (PostgreSQL): text that JSON escapes, no text at
+    all, and every final status arrive as they were sent."""
+    ids = enqueue(queue, 4)
+    queue.claim_batch(KERNEL, "w", 60, 4, 4)
+    error = 'E: "quoted" \\ back\\slash, tab\t, ünïcødé ☃ and \u2028 — 500 chars max'
+    sent = [
+        Completion(dispatch_id=ids[0], worker_id="w", attempt=1, status="failed", error=error),
+        Completion(
+            dispatch_id=ids[1],
+            worker_id="w",
+            attempt=1,
+            status=DispatchStatus.WAITING,
+            run_id="run-1",
+            termination_reason="waiting for 'input'",
+        ),
+        Completion(dispatch_id=ids[2], worker_id="w", attempt=1, status="cancelled"),
+        Completion(dispatch_id=ids[3], worker_id="w", attempt=1, status="done", run_id="r"),
+    ]
+    assert queue.complete_and_claim(sent, KERNEL, "w", 60, 4, 4) == ([None] * 4, [])
+    rows = [queue.get(i) for i in ids]
+    assert [
+        (r.status.value, r.run_id, r.termination_reason, r.error)  # type: ignore[union-attr]
+        for r in rows
+    ] == [
+        ("failed", None, None, error),
+        ("waiting", "run-1", "waiting for 'input'", None),
+        ("cancelled", None, None, None),
+        ("done", "r", None, None),
+    ]
 
 
 def test_complete_batch_records_each_outcome_and_fences_each_lost_lease(

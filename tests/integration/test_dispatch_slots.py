@@ -87,6 +87,12 @@ def done(queue: PostgresDispatchQueue, d: Dispatch) -> None:
     queue.complete(d.dispatch_id, "w", status="done", attempt=row.attempts)
 
 
+def status_of(queue: PostgresDispatchQueue, d: Dispatch) -> str:
+    row = queue.get(d.dispatch_id)
+    assert row is not None
+    return row.status.value
+
+
 def slot_numbers(url: str) -> list[int]:
     return [r["slot"] for r in sql(url, "SELECT slot FROM kernel_dispatch_slots ORDER BY slot")]
 
@@ -210,10 +216,8 @@ def test_ends_recorded_by_a_claim_wake_no_one_and_refill_the_slots_they_free(
     )
     results, claimed = got[0]
     assert sent == []  # the claim that freed the slots took what there was to take
-    assert [(r.dispatch_id, r.status.value) for r in results] == [
-        (a.dispatch_id, "done"),
-        (b.dispatch_id, "done"),
-    ]
+    assert results == [None, None]  # recorded: the worker gets no rows back
+    assert [status_of(queue, d) for d in (a, b)] == ["done", "done"]
     assert [d.dispatch_id for d in claimed] == [c.dispatch_id]
     held = sql(
         url,
@@ -236,9 +240,10 @@ def test_a_claim_that_records_outcomes_tells_them_from_the_dispatches_it_reaps(
     clock.advance(20)  # the other worker's lease ran out on its only attempt
     outcome = Completion(dispatch_id=mine.dispatch_id, worker_id="w", attempt=1, status="done")
     results, claimed = queue.complete_and_claim([outcome], K, "w", 60, 10, 5)
-    assert [(r.dispatch_id, r.status.value, r.worker_id) for r in results] == [
-        (mine.dispatch_id, "done", "w")
-    ]
+    assert results == [None]
+    recorded = queue.get(mine.dispatch_id)
+    assert recorded is not None
+    assert (recorded.status.value, recorded.worker_id) == ("done", "w")
     assert [d.dispatch_id for d in claimed] == [pending.dispatch_id]
     reaped = queue.get(doomed.dispatch_id)
     assert reaped is not None
@@ -273,10 +278,8 @@ def test_a_claim_hands_the_slots_of_the_dispatches_it_ended_to_those_it_claims(
     queue.complete(a.dispatch_id, "w", status="done", attempt=1)  # slot 0 free
     # c's and d's ends hand slots 2 and 3 on to e and f: not the lower free slot 0.
     results, claimed = queue.complete_and_claim(outcomes_of(first[2:]), K, "w", 60, 10, 2)
-    assert [(r.dispatch_id, r.status.value) for r in results] == [  # type: ignore[union-attr]
-        (c.dispatch_id, "done"),
-        (d.dispatch_id, "done"),
-    ]
+    assert results == [None, None]
+    assert [status_of(queue, x) for x in (c, d)] == ["done", "done"]
     assert [x.dispatch_id for x in claimed] == [e.dispatch_id, f.dispatch_id]
     after = slots_held(url)
     assert sorted(after) == [1, 2, 3]
@@ -318,7 +321,8 @@ def test_a_claim_under_a_lowered_cap_counts_the_slots_its_own_ends_free(
     first = queue.claim_batch(K, "w", 60, 3, 3)  # slots 0, 1, 2
     # The cap lowered to 2 while three run: ending two leaves one running, so one more fits.
     results, claimed = queue.complete_and_claim(outcomes_of(first[1:]), K, "w", 60, 2, 5)
-    assert [r.status.value for r in results] == ["done", "done"]  # type: ignore[union-attr]
+    assert results == [None, None]
+    assert [status_of(queue, x) for x in first[1:]] == ["done", "done"]
     assert [x.agent_id for x in claimed] == ["d"]
     assert len(slots_held(url)) == 2
     assert queue.claim_batch(K, "w", 60, 2, 5) == []  # a and d: the lower cap is full
@@ -335,9 +339,8 @@ def test_a_slot_another_claim_took_after_the_lease_ran_out_is_not_handed_on(
     clock.advance(20)  # w's lease ran out: the one slot is free, and b comes before a
     assert [x.dispatch_id for x in queue.claim_batch(K, "other", 60, 1, 1)] == [urgent.dispatch_id]
     results, claimed = queue.complete_and_claim(outcomes_of([mine]), K, "w", 60, 1, 1)
-    assert [(r.dispatch_id, r.status.value) for r in results] == [  # type: ignore[union-attr]
-        (a.dispatch_id, "done")  # still running under w: recorded
-    ]
+    assert results == [None]  # still running under w: recorded
+    assert status_of(queue, a) == "done"
     assert claimed == []  # its slot is b's now: not handed on to c, nor freed
     assert slots_held(url) == {0: urgent.dispatch_id}
     assert len(queue.claim_batch(K, "w", 60, 1, 1)) == 0
@@ -372,7 +375,7 @@ def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -
         assert isinstance(stale, PostgresDispatchQueue)
         stale.enqueue(K, "a", "p", 0, None)
         (claimed,) = stale.claim_batch(K, "w", 60, 2, 2)
-        assert stale.complete_and_claim(outcomes_of([claimed]), K, "w", 60, 2, 2)[1] == []
+        assert stale.complete_and_claim(outcomes_of([claimed]), K, "w", 60, 2, 2) == ([None], [])
     finally:
         stale.close()
     assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
@@ -380,6 +383,33 @@ def test_opening_a_store_replaces_claim_functions_of_another_version(url: str) -
     sql(url, f"COMMENT ON FUNCTION {signature} IS 'fsm-kernel dispatch functions v1'")
     open_queue(url).close()
     assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    # What version 2 left: the outcomes as six arrays (another signature), each recorded one
+    # returned as its whole row. Its function goes: a worker of that version still running
+    # fails its claims (a StoreError it logs) instead of misreading this version's rows.
+    arrays = pg_queue._ARRAYS_SIGNATURE
+    sql(url, f"DROP FUNCTION {signature}")
+    header = pg_queue._COMPLETE_AND_CLAIM_DDL[: pg_queue._COMPLETE_AND_CLAIM_DDL.index("$fn$")]
+    header = header.replace(
+        "p_outcomes json",
+        "p_ids text[], p_attempts integer[], "
+        "p_statuses text[], p_run_ids text[], p_reasons text[], "
+        "p_errors text[]",
+    )
+    sql(url, f"{header}$fn$ BEGIN RAISE EXCEPTION 'the v2 body'; END $fn$")
+    sql(url, f"COMMENT ON FUNCTION {arrays} IS 'fsm-kernel dispatch functions v2'")
+    exists = "SELECT to_regprocedure(%s) IS NOT NULL AS found"
+    assert sql(url, exists.replace("%s", f"'{arrays}'")) == [{"found": True}]
+    again = open_queue(url)
+    try:
+        assert isinstance(again, PostgresDispatchQueue)
+        again.enqueue(K, "b", "p", 0, None)
+        (claimed,) = again.claim_batch(K, "w", 60, 2, 2)
+        assert again.complete_and_claim(outcomes_of([claimed]), K, "w", 60, 2, 2) == ([None], [])
+        assert status_of(again, claimed) == "done"
+    finally:
+        again.close()
+    assert sql(url, tag.replace("%s", f"'{signature}'")) == [{"tag": pg_queue._FUNCTIONS_TAG}]
+    assert sql(url, exists.replace("%s", f"'{arrays}'")) == [{"found": False}]
 
 
 def test_the_queue_reads_times_in_utc_whatever_the_server_zone(url: str, clock: FakeClock) -> None:

@@ -66,12 +66,12 @@ def test_alone_the_outcomes_of_one_turn_are_recorded_by_one_statement(
 ) -> None:
     a, b = claimed(queue, 2)
 
-    async def scenario() -> list[Dispatch]:
+    async def scenario() -> list[None]:
         buffer = CompletionBuffer(queue, 10)
         return await asyncio.gather(buffer.complete(outcome(a)), buffer.complete(outcome(b)))
 
-    rows = asyncio.run(scenario())
-    assert [r.status for r in rows] == [DispatchStatus.DONE] * 2
+    assert asyncio.run(scenario()) == [None, None]
+    assert [status(queue, d) for d in (a, b)] == [DispatchStatus.DONE] * 2
     assert queue.alone == [2]
 
 
@@ -89,7 +89,9 @@ def test_carried_outcomes_wait_for_the_claim_that_takes_them(queue: CountingQueu
         assert status(queue, a) is DispatchStatus.RUNNING
         results, _ = queue.complete_and_claim([c for c, _ in batch], "k", "w", 60, 10, 5)
         buffer.settle(batch, results)
-        assert [(await w).status for w in waiting] == [DispatchStatus.DONE] * 2
+        assert results == [None, None]
+        assert [await w for w in waiting] == [None, None]
+        assert [status(queue, d) for d in (a, b)] == [DispatchStatus.DONE] * 2
         await asyncio.sleep(CARRY_SECONDS * 2)  # taken: the fallback records nothing more
 
     asyncio.run(scenario())
@@ -106,8 +108,8 @@ def test_carried_outcomes_no_claim_takes_are_recorded_on_their_own(
         buffer = CompletionBuffer(queue, 10)
         buffer.carry(True)
         started = asyncio.get_running_loop().time()
-        row = await asyncio.wait_for(buffer.complete(outcome(a)), 5)
-        assert row.status is DispatchStatus.DONE
+        await asyncio.wait_for(buffer.complete(outcome(a)), 5)
+        assert status(queue, a) is DispatchStatus.DONE
         return asyncio.get_running_loop().time() - started
 
     waited = asyncio.run(scenario())
@@ -136,7 +138,23 @@ def test_outcomes_given_back_or_left_at_stop_are_recorded_and_fenced(
         return await asyncio.gather(*first, *rest, return_exceptions=True)
 
     results = asyncio.run(scenario())
-    assert [r.status for r in results[:2]] == [DispatchStatus.DONE] * 2
+    assert results[:2] == [None, None]
+    assert [status(queue, d) for d in (a, b)] == [DispatchStatus.DONE] * 2
     assert isinstance(results[2], StoreConflictError)
     assert status(queue, c) is DispatchStatus.RUNNING  # the fenced outcome was not recorded
     assert queue.alone == [1, 2]
+
+
+def test_a_row_read_as_a_tuple_is_the_same_dispatch_as_read_by_name(queue: CountingQueue) -> None:
+    """The PostgreSQL worker reads its claims as tuples of COLUMNS (Dispatch.from_tuple): the
+    same object as from_row, times, status and integers converted alike; a short row fails."""
+    from fsm_kernel.scheduler.queue import COLUMNS
+
+    (a,) = claimed(queue, 1)
+    row = {**a.to_dict(), "attempts": "1", "priority": 0}  # ISO times, status as text
+    by_tuple = Dispatch.from_tuple(tuple(row[name] for name in COLUMNS))
+    assert by_tuple == Dispatch.from_row(row) == a
+    assert by_tuple.status is DispatchStatus.RUNNING
+    assert by_tuple.attempts == 1
+    with pytest.raises(ValueError, match="shorter"):
+        Dispatch.from_tuple(tuple(row[name] for name in COLUMNS[:-1]))
