@@ -492,6 +492,10 @@ class ChatModel(Protocol):
     async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
         """Ask the model. Raises AgentError when no usable answer could be had.
 
+        `messages` is a read-only sequence (the kernel passes a `session.History`, a snapshot
+        made without copying the conversation): index, slice or iterate it, or `list(...)`
+        it for a list of your own; it never changes after the call.
+
         A state with its own `tool_choice:` calls `complete(messages, tools,
         tool_choice=...)`: models used with such workflows accept that keyword (TOOL_CHOICES
         or a tool's name); without it, the model's own default applies. Likewise a state with

@@ -5,13 +5,14 @@ Imports only protocol from fsm_kernel; the kernel consumes protocol.Message nati
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
-from collections.abc import Iterable, Mapping
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn, Protocol, overload, runtime_checkable
 
 from fsm_kernel.protocol import Message, ToolCall, new_id
 
-__all__ = ["FrozenDict", "FrozenList", "InMemorySession", "Session"]
+__all__ = ["FrozenDict", "FrozenList", "History", "InMemorySession", "Session"]
 
 
 @runtime_checkable
@@ -48,7 +49,8 @@ class InMemorySession:
     Messages are stored once, detached from the caller's objects, and shared from then on:
     Message and ToolCall are frozen and each stored call's arguments are frozen copies (a dict
     and lists that refuse changes), so `messages()` is a list of the stored messages that no
-    reader can change. Adding copies a call's arguments once; reading copies only the list.
+    reader can change. Adding copies a call's arguments once; reading copies only the list,
+    and `history()` not even that.
     """
 
     def __init__(self, id: str | None = None, messages: Iterable[Message] = ()) -> None:
@@ -74,9 +76,17 @@ class InMemorySession:
         with self._lock:
             return self._messages.copy()
 
+    def history(self, head: Sequence[Message] = ()) -> History:
+        """The history as it is now, after `head`, without copying it: what the kernel hands
+        the model each call, in constant time however long the conversation. Later changes to
+        the session do not show in it (messages are only ever appended to the list it reads;
+        `clear` starts a new one)."""
+        with self._lock:
+            return History(tuple(head), self._messages, len(self._messages))
+
     def clear(self) -> None:
         with self._lock:
-            self._messages.clear()
+            self._messages = []  # a new list: the histories handed out keep theirs whole
 
     def __len__(self) -> int:
         with self._lock:
@@ -84,6 +94,51 @@ class InMemorySession:
 
     def __repr__(self) -> str:
         return f"InMemorySession(id={self._id!r}, messages={len(self)})"
+
+
+class History(Sequence[Message]):
+    """An unchangeable snapshot of a conversation: `head` (a system prompt, say) followed by
+    the first `end` messages of a list that is only ever appended to. Made in constant time
+    (`InMemorySession.history`); reads like a tuple of its messages (index, slice, iterate,
+    `==` with a list or tuple of the same messages)."""
+
+    __slots__ = ("_body", "_end", "_head")
+
+    def __init__(self, head: tuple[Message, ...], body: list[Message], end: int) -> None:
+        self._head = head
+        self._body = body
+        self._end = end
+
+    def __len__(self) -> int:
+        return len(self._head) + self._end
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        size = len(self)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("history index out of range")
+        first = len(self._head)
+        return self._head[index] if index < first else self._body[index - first]
+
+    def __iter__(self) -> Iterator[Message]:
+        return itertools.chain(self._head, itertools.islice(self._body, self._end))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, History | list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which have none
+
+    def __repr__(self) -> str:
+        return f"History({list(self)!r})"
 
 
 def _detached(message: Message) -> Message:

@@ -332,11 +332,12 @@ async def _checked(ctx: RunContext, completion: Completion) -> ReplyCheck | None
     return schema.check_reply(completion)
 
 
-async def _within_window(ctx: RunContext, messages: list[Message]) -> list[Message]:
+async def _within_window(ctx: RunContext, request: Sequence[Message]) -> Sequence[Message]:
     """The request made to fit the workflow's `context:` window (recorded when changed)."""
     window = ctx.context_window
     if window is None:
-        return messages
+        return request
+    messages = list(request)
     scale = 1.0  # how far off the estimate of the last request was, by the server's count
     reported = ctx.last_completion.usage.prompt_tokens if ctx.last_completion else 0
     if reported > 0 and ctx.last_request_estimate > 0:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from fsm_kernel.workflow.output import OutputSchema
     from fsm_kernel.workflow.window import Summary
 
+_OWN_MESSAGES = InMemorySession.messages
+"""InMemorySession's own `messages`: a subclass that keeps it reads its history as it is."""
+
 __all__ = [
     "CaughtError",
     "KernelNotes",
@@ -311,9 +314,12 @@ class RunContext:
         names = self.state_spec.tools if self.state_spec.tools is not None else self.tool_names
         return self.tools.list_tools(list(names)) if names else []
 
-    def messages_for_model(self) -> list[Message]:
-        """System prompt (with memory) followed by the conversation so far."""
-        messages = self.session.messages()  # a copy of its own: one copy, not two
-        if self.system_prompt:
-            messages.insert(0, Message.system(self.system_prompt))
-        return messages
+    def messages_for_model(self) -> Sequence[Message]:
+        """System prompt (with memory) followed by the conversation so far: a snapshot the
+        model may keep. From an InMemorySession, made without copying the history (the cost
+        of a model call stays flat however long the run); from another Session, its copy."""
+        head = (Message.system(self.system_prompt),) if self.system_prompt else ()
+        session = self.session
+        if isinstance(session, InMemorySession) and type(session).messages is _OWN_MESSAGES:
+            return session.history(head)  # (a subclass reading its own way is asked for a copy)
+        return [*head, *session.messages()]

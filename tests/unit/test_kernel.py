@@ -1040,3 +1040,33 @@ def test_run_sync_works_without_a_loop(tmp_path: Path) -> None:
 
     assert result.response == "sync"
     assert result.termination_reason == "final_answer"
+
+
+@dataclass
+class KeepingModel:
+    """Keeps each request's `messages` exactly as given (no copy) with its length then."""
+
+    steps: list[Completion]
+    kept: list[tuple[Sequence[Message], int, list[Message]]] = field(default_factory=list)
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[Tool]) -> Completion:
+        self.kept.append((messages, len(messages), list(messages)))
+        return self.steps.pop(0)
+
+
+def test_the_messages_a_model_keeps_stay_as_they_were_sent(tmp_path: Path) -> None:
+    # The kernel hands the model a snapshot of the history (no copy per call): a model that
+    # keeps it sees it unchanged after the run goes on, system prompt first.
+    model = KeepingModel([calls(tool_call("datetime")), calls(tool_call("datetime")), answer("ok")])
+    result = run(make_kernel(model, tmp_path))
+    assert result.termination_reason == "final_answer"
+    assert [n for _, n, _ in model.kept] == [2, 4, 6]  # system+user, then +call+result each
+    for messages, n, then in model.kept:
+        assert len(messages) == n
+        assert list(messages) == then
+        assert messages[0] == Message.system("be brief")
+        assert messages[1] == Message.user("What time is it?")
+    requested = [e.data["messages"] for e in events_of(result, EventType.MODEL_REQUESTED)]
+    assert requested == [2, 4, 6]
+    assert list(model.kept[-1][0])[:4] == list(model.kept[1][0])
+    assert result.messages[: len(model.kept[-1][0]) - 1] == list(model.kept[-1][0])[1:]

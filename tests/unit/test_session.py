@@ -298,3 +298,86 @@ def test_concurrent_add_and_clear() -> None:
     session.clear()
     session.add(numbered(1))
     assert session.messages() == [numbered(1)]
+
+
+# --- history(): the snapshot the kernel hands the model -------------------------------------
+
+
+def test_history_reads_like_a_tuple_of_head_then_messages() -> None:
+    system = Message.system("be brief")
+    session = InMemorySession(messages=[Message.user("a"), Message.assistant("b")])
+    history = session.history((system,))
+    expected = [system, Message.user("a"), Message.assistant("b")]
+    assert len(history) == 3
+    assert list(history) == expected
+    assert history == expected
+    assert history == tuple(expected)
+    assert history != expected[:2]
+    assert history != [*expected[:2], Message.user("other")]
+    assert history[0] is system
+    assert history[1] == Message.user("a")
+    assert history[-1] == Message.assistant("b")
+    assert history[-3] is system
+    assert history[1:] == expected[1:]
+    assert history[::-1] == expected[::-1]
+    assert history.index(Message.assistant("b")) == 2
+    assert Message.user("a") in history
+    with pytest.raises(IndexError):
+        history[3]
+    with pytest.raises(IndexError):
+        history[-4]
+    assert session.history() == expected[1:]
+    assert (history == "not a sequence") is False
+
+
+def test_history_is_a_snapshot_that_later_changes_leave_alone() -> None:
+    session = InMemorySession(messages=[Message.user("first")])
+    before = session.history()
+    session.add(Message.assistant("second"))
+    session.extend([Message.user("third")])
+    assert list(before) == [Message.user("first")]
+    assert len(session.history()) == 3
+    session.clear()
+    session.add(Message.user("after clear"))
+    assert list(before) == [Message.user("first")]  # clear does not empty it in place
+    assert list(session.history()) == [Message.user("after clear")]
+
+
+def test_history_shares_the_stored_messages() -> None:
+    session = InMemorySession(messages=[Message.user("a")])
+    assert session.history()[0] is session.messages()[0]
+
+
+def test_history_is_not_hashable_like_the_lists_it_equals() -> None:
+    with pytest.raises(TypeError):
+        hash(InMemorySession().history())
+
+
+class _Newest(InMemorySession):
+    """A session that reads its history its own way: only the newest message."""
+
+    def messages(self) -> list[Message]:
+        return super().messages()[-1:]
+
+
+def test_the_model_request_is_the_system_prompt_then_the_history() -> None:
+    from fsm_kernel.workflow.context import RunContext
+
+    ctx = RunContext(system_prompt="sys")
+    ctx.session.extend([Message.user("a"), Message.assistant("b")])
+    request = ctx.messages_for_model()
+    assert request == [Message.system("sys"), Message.user("a"), Message.assistant("b")]
+    ctx.session.add(Message.user("c"))
+    assert len(request) == 3  # a snapshot
+    assert ctx.messages_for_model()[-1] == Message.user("c")
+    assert RunContext(
+        session=InMemorySession(messages=[Message.user("a")])
+    ).messages_for_model() == [Message.user("a")]  # no system prompt, no head
+
+
+def test_a_session_subclass_reading_its_own_way_is_asked_for_its_messages() -> None:
+    from fsm_kernel.workflow.context import RunContext
+
+    session = _Newest(messages=[Message.user("old"), Message.user("new")])
+    request = RunContext(system_prompt="sys", session=session).messages_for_model()
+    assert request == [Message.system("sys"), Message.user("new")]
