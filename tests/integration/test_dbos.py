@@ -350,7 +350,7 @@ def test_an_event_is_delivered_through_dbos(launched) -> None:
         suspended = asyncio.Event()
         agent = launched("30m", ["a plan", "deployed"], suspended)
         run_id = await agent.start("deploy")
-        await asyncio.wait_for(suspended.wait(), 30)
+        await _suspended(agent, run_id, suspended)
         with pytest.raises(AnswerError, match="for ci_passed, not event 'nope'"):
             await agent.signal(run_id, "nope")
         with pytest.raises(ResumeError, match="runs under dbos: answer it through its engine"):
@@ -398,6 +398,16 @@ def _endings(events: list[Event]) -> list[str]:
     return [e.data["reason"] for e in events if e.type == EventType.RUN_TERMINATED]
 
 
+async def _suspended(agent: DBOSAgent, run_id: str, seen: asyncio.Event) -> None:
+    """Until the run's suspension is in its log (up to 30 s): `on_event` sees an event as it
+    is recorded, a moment before the commit that signal and cancel read."""
+    await asyncio.wait_for(seen.wait(), 30)
+    deadline = time.monotonic() + 30
+    while not any(e.type == EventType.RUN_SUSPENDED for e in agent.store.read(run_id)):
+        assert time.monotonic() < deadline, "run.suspended was seen but never committed"
+        await asyncio.sleep(0.01)
+
+
 async def _ended(agent: DBOSAgent, run_id: str) -> list[Event]:
     """The run's log once it ended (waiting up to 30 s)."""
     deadline = time.monotonic() + 30
@@ -419,7 +429,7 @@ def test_a_waiting_run_cancelled_ends_cancelled_at_once_in_both(
         suspended = asyncio.Event()
         agent = launched("30m", ["a plan"], suspended)
         run_id = await agent.start("deploy")
-        await asyncio.wait_for(suspended.wait(), 30)
+        await _suspended(agent, run_id, suspended)
         if via == "agent":
             said = await agent.cancel(run_id)
         else:

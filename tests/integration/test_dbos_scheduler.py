@@ -118,6 +118,10 @@ def test_a_cycle_with_two_workers_never_exceeds_the_cap(
         for n in (1, 2)
     ]
     try:
+        # Each worker says it is listening before the cycle starts: on a loaded machine a
+        # worker still importing would leave every dispatch to the scheduler's process.
+        started = [w.stderr.readline() for w in workers if w.stderr is not None]
+        assert all("on DBOS, queue" in line for line in started), started
         once = subprocess.run(
             _cmd("schedule", str(config), "--once", "--json", *flags),
             cwd=tmp_path, env=_env("scheduler"), capture_output=True, text=True, timeout=120,
