@@ -184,7 +184,9 @@ class Agent:
             default) keeps events in each RunResult only (no resume).
         tools: extra tool functions to offer, besides the workflow's.
         chat_model: a ChatModel to use instead of the HTTP client (a test double, your own).
-        on_event: sees every run's events and streamed text as they happen.
+        on_event: sees every run's events and streamed text as they happen: an event as it
+            is recorded, a moment before its commit (the store, hence `signal`, `resume`
+            and `cancel`, may not show it yet; the run's result comes after it).
         human: how runs reach a person (tool approval, `human.input` states): a HumanChannel
             whose `ask(question)` returns a HumanAnswer; None (the default) suspends such runs
             (`result.status == "waiting"`) until `resume(run_id, answer=...)`.
