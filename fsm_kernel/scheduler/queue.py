@@ -345,6 +345,20 @@ class DispatchQueue(Protocol):
         StoreError if the store failed: nothing was recorded or claimed."""
         ...
 
+    async def complete_and_claim_async(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+        """`complete_and_claim` awaited in the caller's event loop (the worker's claim): SQLite
+        runs it in a thread; PostgreSQL sends it on a connection of that loop, so no thread
+        hop per batch."""
+        ...
+
     def settle_waiting(
         self,
         run_id: str,

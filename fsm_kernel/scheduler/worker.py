@@ -163,8 +163,7 @@ class Worker:
         config = self.config
         carried = self._executor.completions.take()
         try:
-            results, claimed = await asyncio.to_thread(
-                self.queue.complete_and_claim,
+            results, claimed = await self.queue.complete_and_claim_async(
                 [completion for completion, _ in carried],
                 config.kernel_id,
                 self.worker_id,
