@@ -22,8 +22,9 @@ The claim reads partial indexes over pending and running rows, so its cost does 
 the finished history. A worker's outcomes travel with its next claim (`complete_and_claim`, a
 second function: the outcomes recorded, then the claim, which hands their slots straight on to
 the dispatches it claims, one slot write per job, and frees those it cannot fill, in one call);
-outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
-per statement (`complete_batch`) on a second connection. Both functions plan their statements
+a worker awaits that call on a connection of its event loop (a psycopg AsyncConnection:
+no thread hop per batch); outcomes recorded alone (the Scheduler's, a worker's last ones) go a
+batch per statement (`complete_batch`) on a second connection. Both functions plan their statements
 generically from the first call: every row they touch is found by its key.
 
 All workers of a kernel use the same cap (its config) and this protocol: opening the store

@@ -249,9 +249,9 @@ class DispatchListener(Protocol):
 
 @runtime_checkable
 class DispatchQueue(Protocol):
-    """Where ticks put dispatches and workers take them. Every method but `listener` is
-    synchronous and safe to call from several threads; the async engine calls them through
-    asyncio.to_thread."""
+    """Where ticks put dispatches and workers take them. Every method but `listener` and
+    `complete_and_claim_async` is synchronous and safe to call from several threads; the async
+    engine calls them through asyncio.to_thread."""
 
     def ensure_schema(self) -> None:
         """Create the tables if missing and migrate older ones (idempotent, nothing lost).

@@ -12,7 +12,8 @@
 - A claim records the outcomes before it and is offered the slots they free, in one call; the
   worker's awaited form (`complete_and_claim_async`, PostgreSQL's on an asyncio connection of
   the calling event loop) does exactly what the blocking one does, reconnects after its
-  connection was lost, and follows the caller to another event loop.
+  connection was lost, and follows the caller to another event loop; a PostgreSQL worker
+  claims through it alone.
 - The attempt limit and cancellation act on dispatches claimed in a batch.
 """
 
@@ -549,3 +550,46 @@ def test_a_worker_claims_and_records_by_the_batch_in_one_call_per_batch(tmp_path
     # Each batch's outcomes were recorded by the claim that took the next batch, none alone.
     assert [n for n in queue.completions if n] == [5, 5, 5, 5]
     assert queue.alone == []
+
+
+@pytest.mark.postgres
+def test_a_postgresql_worker_awaits_its_claims_in_its_event_loop(pg_dsn: str) -> None:
+    """A PostgreSQL worker claims through the awaited call (its own AsyncConnection), never
+    through the blocking one (which a thread would run), and its claims carry every outcome."""
+    store = pg_url(pg_dsn)
+    queue = open_queue(store)
+    enqueue(queue, 20)
+    config = fleet_config(store, 20, max_concurrent=5, lease=30)
+    carried: list[int] = []
+    awaited = queue.complete_and_claim_async
+
+    def blocking(*args: Any) -> Any:
+        raise AssertionError("the blocking claim was called")
+
+    async def counted(completions: Any, *args: Any) -> Any:
+        results, claimed = await awaited(completions, *args)
+        carried.append(len(completions))
+        return results, claimed
+
+    queue.complete_and_claim = blocking  # type: ignore[method-assign]
+    queue.complete_and_claim_async = counted  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def runner(agent: AgentSpec, prompt: str) -> RunOutcome:
+        ran.append(agent.agent_id)
+        return RunOutcome(ok=True)
+
+    async def scenario() -> None:
+        worker = Worker(config, queue, runner, concurrency=5, poll_seconds=0.01)
+        task = asyncio.create_task(worker.run())
+        await until(lambda: sum(carried) == 20, "every outcome recorded by a claim")
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(scenario())
+        rows = queue.list(KERNEL, 100)
+    finally:
+        queue.close()
+    assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
+    assert [d.status for d in rows] == [DispatchStatus.DONE] * 20
