@@ -12,6 +12,7 @@ Imports no database driver; the backends (sqlite_queue.py, pg_queue.py) do.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -493,6 +494,37 @@ class SqlDispatchQueue:
     ) -> Dispatch | None:
         claimed = self.claim_batch(kernel_id, worker_id, lease_seconds, max_concurrent, 1)
         return claimed[0] if claimed else None
+
+    def complete_and_claim(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+        raise NotImplementedError
+
+    async def complete_and_claim_async(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+        """`complete_and_claim` in a thread (a backend whose driver has no asyncio API)."""
+        return await asyncio.to_thread(
+            self.complete_and_claim,
+            completions,
+            kernel_id,
+            worker_id,
+            lease_seconds,
+            max_concurrent,
+            limit,
+        )
 
     def complete_batch(
         self, completions: builtins.list[Completion], *, max_concurrent: int | None = None

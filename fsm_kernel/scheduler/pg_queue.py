@@ -22,8 +22,9 @@ The claim reads partial indexes over pending and running rows, so its cost does 
 the finished history. A worker's outcomes travel with its next claim (`complete_and_claim`, a
 second function: the outcomes recorded, then the claim, which hands their slots straight on to
 the dispatches it claims, one slot write per job, and frees those it cannot fill, in one call);
-outcomes recorded alone (the Scheduler's, a worker's last ones) go a batch
-per statement (`complete_batch`) on a second connection. Both functions plan their statements
+a worker awaits that call on a connection of its event loop (a psycopg AsyncConnection:
+no thread hop per batch); outcomes recorded alone (the Scheduler's, a worker's last ones) go a
+batch per statement (`complete_batch`) on a second connection. Both functions plan their statements
 generically from the first call: every row they touch is found by its key.
 
 All workers of a kernel use the same cap (its config) and this protocol: opening the store
@@ -47,8 +48,8 @@ import builtins
 import json
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -371,6 +372,9 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         self._outcomes = _Link(dsn)
         """complete_batch's own connection: a worker's outcomes are recorded while its next
         claim is under way, not behind it."""
+        self._claims = _AsyncLink(dsn)
+        """complete_and_claim_async's connection, of the event loop that awaits it (a worker's
+        claims), opened by its first claim."""
 
     def __repr__(self) -> str:
         return "PostgresDispatchQueue(<dsn hidden>)"  # a DSN may carry a password
@@ -378,6 +382,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     def close(self) -> None:
         self._main.close()
         self._outcomes.close()
+        self._claims.close()
 
     def claim_batch(
         self,
@@ -422,6 +427,36 @@ class PostgresDispatchQueue(SqlDispatchQueue):
             recorded, reaped, claimed = _sorted_rows(rows)
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
             current = self._current(conn, lost) if lost else {}
+        log_reaped(reaped)
+        results = [
+            None
+            if c.dispatch_id in recorded
+            else lease_conflict(c.dispatch_id, worker_id, current.get(c.dispatch_id))
+            for c in completions
+        ]
+        return results, in_claim_order(claimed)
+
+    async def complete_and_claim_async(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+        """`complete_and_claim` on the claim connection of the running event loop (an
+        AsyncConnection): the worker awaits the round trip itself, no thread hop per batch."""
+        now = self.clock.now()
+        expires = now + timedelta(seconds=lease_seconds)
+        outcomes = _outcomes_json(completions)
+        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
+        async with self._claims.session() as conn:
+            cursor = conn.cursor(row_factory=tuple_row)
+            await cursor.execute(_COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True)
+            recorded, reaped, claimed = _sorted_rows(await cursor.fetchall())
+            lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
+            current = await _current_async(conn, lost) if lost else {}
         log_reaped(reaped)
         results = [
             None
@@ -601,6 +636,66 @@ class _Link:
         if self._conn is None or self._conn.closed:
             conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
             conn.execute("SET TIME ZONE 'UTC'")
+            self._conn = conn
+        return self._conn
+
+
+async def _current_async(
+    conn: psycopg.AsyncConnection[Any], ids: builtins.list[str]
+) -> dict[str, Dispatch]:
+    """`PostgresDispatchQueue._current` on an AsyncConnection."""
+    cursor = conn.cursor(row_factory=dict_row)
+    await cursor.execute(f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (ids,))
+    return {row["dispatch_id"]: Dispatch.from_row(row) for row in await cursor.fetchall()}
+
+
+class _AsyncLink:
+    """One AsyncConnection for the event loop that uses it, opened on first use, shared by
+    that loop's tasks under a lock, dropped after a connection failure or a cancelled call
+    (the next call reconnects) and when another loop asks (a connection belongs to the loop it
+    was made in)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    def close(self) -> None:
+        self._drop()
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The connection (autocommit, UTC), psycopg's errors translated to StoreError."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._drop()
+            self._loop, self._lock = loop, asyncio.Lock()
+        async with self._lock:
+            try:
+                yield await self._connect()
+            except psycopg.OperationalError as exc:
+                logger.warning("dispatch store connection failed, reconnecting next call: %s", exc)
+                self._drop()
+                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {exc}") from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"dispatch store (PostgreSQL) failed: {exc}") from exc
+            except asyncio.CancelledError:
+                self._drop()  # a statement may still be under way on it
+                raise
+
+    def _drop(self) -> None:
+        """Closed at once (libpq's own close needs no event loop)."""
+        if self._conn is not None:
+            try:
+                self._conn.pgconn.finish()
+            finally:
+                self._conn = None
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+            await conn.execute("SET TIME ZONE 'UTC'")  # see _Link._connect
             self._conn = conn
         return self._conn
 

@@ -249,9 +249,9 @@ class DispatchListener(Protocol):
 
 @runtime_checkable
 class DispatchQueue(Protocol):
-    """Where ticks put dispatches and workers take them. Every method but `listener` is
-    synchronous and safe to call from several threads; the async engine calls them through
-    asyncio.to_thread."""
+    """Where ticks put dispatches and workers take them. Every method but `listener` and
+    `complete_and_claim_async` is synchronous and safe to call from several threads; the async
+    engine calls them through asyncio.to_thread."""
 
     def ensure_schema(self) -> None:
         """Create the tables if missing and migrate older ones (idempotent, nothing lost).
@@ -343,6 +343,20 @@ class DispatchQueue(Protocol):
         lost lease: not recorded; not the finished rows, which the worker never reads), and
         the claimed dispatches, best first.
         StoreError if the store failed: nothing was recorded or claimed."""
+        ...
+
+    async def complete_and_claim_async(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+        """`complete_and_claim` awaited in the caller's event loop (the worker's claim): SQLite
+        runs it in a thread; PostgreSQL sends it on a connection of that loop, so no thread
+        hop per batch."""
         ...
 
     def settle_waiting(

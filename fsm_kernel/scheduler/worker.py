@@ -3,7 +3,9 @@
 `max_concurrent` and reclaims the dispatches of a worker that died once their lease expires.
 
 A worker's claim records the outcomes of its runs that ended since the previous claim, in the
-same statement (`complete_and_claim`): one round trip, one commit and one thread hop per batch.
+same statement (`complete_and_claim`): one round trip and one commit per batch, awaited in the
+worker's event loop (`complete_and_claim_async`: PostgreSQL's on an asyncio connection, no
+thread hop; SQLite's in a thread).
 A run learns its outcome is recorded only once that statement committed; until then the
 dispatch runs under the worker's lease, so a worker that dies with outcomes waiting has
 recorded none of them and their dispatches run again once the leases expire (as a run cut off
@@ -157,14 +159,13 @@ class Worker:
 
     async def _claim(self, free: int) -> list[Dispatch]:
         """As many dispatches as there are free slots (fewer if the fleet's cap or the queue
-        has fewer), in one call that first records the outcomes waiting to be: one thread hop
-        and one statement per batch. If the call fails (nothing recorded), those outcomes are
+        has fewer), in one call that first records the outcomes waiting to be: one awaited
+        statement per batch. If the call fails (nothing recorded), those outcomes are
         given back to be recorded on their own."""
         config = self.config
         carried = self._executor.completions.take()
         try:
-            results, claimed = await asyncio.to_thread(
-                self.queue.complete_and_claim,
+            results, claimed = await self.queue.complete_and_claim_async(
                 [completion for completion, _ in carried],
                 config.kernel_id,
                 self.worker_id,

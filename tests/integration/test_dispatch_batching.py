@@ -9,7 +9,11 @@
   refused (fenced by worker and attempt).
 - A worker SIGKILLed with outcomes buffered (waiting for the claim that records them) reruns
   only those: the outcomes it reported recorded are in the store and never run again.
-- A claim records the outcomes before it and is offered the slots they free, in one call.
+- A claim records the outcomes before it and is offered the slots they free, in one call; the
+  worker's awaited form (`complete_and_claim_async`, PostgreSQL's on an asyncio connection of
+  the calling event loop) does exactly what the blocking one does, reconnects after its
+  connection was lost, and follows the caller to another event loop; a PostgreSQL worker
+  claims through it alone.
 - The attempt limit and cancellation act on dispatches claimed in a batch.
 """
 
@@ -24,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from fsm_kernel.errors import StoreConflictError
+from fsm_kernel.errors import StoreConflictError, StoreError
 from fsm_kernel.scheduler import (
     AgentSpec,
     DispatchQueue,
@@ -133,16 +137,28 @@ def test_a_batch_is_the_best_dispatches_first_and_never_more_than_asked(
     assert [d.dispatch_id for d in queue.claim_batch(KERNEL, "w", 60, 5, 10)] == ids[2:4]
 
 
+CompleteAndClaim = Callable[..., tuple[list[StoreConflictError | None], list[Any]]]
+
+
+@pytest.fixture(params=["blocking", "awaited"])
+def complete_and_claim(request: pytest.FixtureRequest, queue: DispatchQueue) -> CompleteAndClaim:
+    """The queue's complete_and_claim, or its awaited form run in an event loop of its own per
+    call (each call on PostgreSQL then opens its connection in that loop)."""
+    if request.param == "blocking":
+        return queue.complete_and_claim
+    return lambda *args: asyncio.run(queue.complete_and_claim_async(*args))
+
+
 def test_complete_and_claim_records_the_outcomes_then_claims_into_the_slots_they_free(
-    queue: DispatchQueue,
+    queue: DispatchQueue, complete_and_claim: CompleteAndClaim
 ) -> None:
     a, b, c, d, e = enqueue(queue, 5)
     assert [x.dispatch_id for x in queue.claim_batch(KERNEL, "w", 60, 2, 2)] == [a, b]
-    assert queue.complete_and_claim([], KERNEL, "w", 60, 2, 2) == ([], [])  # the cap is full
+    assert complete_and_claim([], KERNEL, "w", 60, 2, 2) == ([], [])  # the cap is full
     outcome_a = Completion(
         dispatch_id=a, worker_id="w", attempt=1, status=DispatchStatus.FAILED, error="E: boom"
     )
-    results, claimed = queue.complete_and_claim(
+    results, claimed = complete_and_claim(
         [outcome_a, done("w", b, 2)],  # b's outcome names an attempt this worker does not hold
         KERNEL,
         "w",
@@ -161,15 +177,15 @@ def test_complete_and_claim_records_the_outcomes_then_claims_into_the_slots_they
         (c, DispatchStatus.RUNNING, 1)
     ]
     assert queue.get(b).status is DispatchStatus.RUNNING  # type: ignore[union-attr]
-    results, claimed = queue.complete_and_claim(
-        [done("w", b, 1), done("w", c, 1)], KERNEL, "w", 60, 2, 5
-    )
+    results, claimed = complete_and_claim([done("w", b, 1), done("w", c, 1)], KERNEL, "w", 60, 2, 5)
     assert results == [None, None]
     assert [queue.get(x).status for x in (b, c)] == [DispatchStatus.DONE] * 2  # type: ignore[union-attr]
     assert [x.dispatch_id for x in claimed] == [d, e]
 
 
-def test_complete_and_claim_records_each_outcomes_fields_exactly(queue: DispatchQueue) -> None:
+def test_complete_and_claim_records_each_outcomes_fields_exactly(
+    queue: DispatchQueue, complete_and_claim: CompleteAndClaim
+) -> None:
     """The outcomes travel as one JSON value (PostgreSQL): text that JSON escapes, no text at
     all, and every final status arrive as they were sent."""
     ids = enqueue(queue, 4)
@@ -188,7 +204,7 @@ def test_complete_and_claim_records_each_outcomes_fields_exactly(queue: Dispatch
         Completion(dispatch_id=ids[2], worker_id="w", attempt=1, status="cancelled"),
         Completion(dispatch_id=ids[3], worker_id="w", attempt=1, status="done", run_id="r"),
     ]
-    assert queue.complete_and_claim(sent, KERNEL, "w", 60, 4, 4) == ([None] * 4, [])
+    assert complete_and_claim(sent, KERNEL, "w", 60, 4, 4) == ([None] * 4, [])
     rows = [queue.get(i) for i in ids]
     assert [
         (r.status.value, r.run_id, r.termination_reason, r.error)  # type: ignore[union-attr]
@@ -199,6 +215,43 @@ def test_complete_and_claim_records_each_outcomes_fields_exactly(queue: Dispatch
         ("cancelled", None, None, None),
         ("done", "r", None, None),
     ]
+
+
+@pytest.mark.postgres
+def test_the_awaited_claim_reconnects_after_its_connection_was_lost(pg_dsn: str) -> None:
+    """The worker's claim connection (an AsyncConnection) dropped by the server: that call
+    fails as a StoreError (nothing recorded, nothing claimed), the next one reconnects."""
+    import psycopg
+
+    queue = open_queue(pg_url(pg_dsn))
+    a, b = enqueue(queue, 2)
+
+    async def scenario() -> None:
+        _, claimed = await queue.complete_and_claim_async([], KERNEL, "w", 60, 10, 1)
+        assert [d.dispatch_id for d in claimed] == [a]
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        with pytest.raises(StoreError, match="unavailable"):
+            await queue.complete_and_claim_async([done("w", a, 1)], KERNEL, "w", 60, 10, 1)
+        observer = open_queue(pg_url(pg_dsn))  # the queue's own connections were dropped too
+        assert observer.get(a).status is DispatchStatus.RUNNING  # type: ignore[union-attr]
+        observer.close()
+        results, claimed = await queue.complete_and_claim_async(
+            [done("w", a, 1)], KERNEL, "w", 60, 10, 1
+        )
+        assert results == [None]
+        assert [d.dispatch_id for d in claimed] == [b]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    observer = open_queue(pg_url(pg_dsn))
+    assert observer.get(a).status is DispatchStatus.DONE  # type: ignore[union-attr]
+    observer.close()
 
 
 def test_complete_batch_records_each_outcome_and_fences_each_lost_lease(
@@ -497,3 +550,46 @@ def test_a_worker_claims_and_records_by_the_batch_in_one_call_per_batch(tmp_path
     # Each batch's outcomes were recorded by the claim that took the next batch, none alone.
     assert [n for n in queue.completions if n] == [5, 5, 5, 5]
     assert queue.alone == []
+
+
+@pytest.mark.postgres
+def test_a_postgresql_worker_awaits_its_claims_in_its_event_loop(pg_dsn: str) -> None:
+    """A PostgreSQL worker claims through the awaited call (its own AsyncConnection), never
+    through the blocking one (which a thread would run), and its claims carry every outcome."""
+    store = pg_url(pg_dsn)
+    queue = open_queue(store)
+    enqueue(queue, 20)
+    config = fleet_config(store, 20, max_concurrent=5, lease=30)
+    carried: list[int] = []
+    awaited = queue.complete_and_claim_async
+
+    def blocking(*args: Any) -> Any:
+        raise AssertionError("the blocking claim was called")
+
+    async def counted(completions: Any, *args: Any) -> Any:
+        results, claimed = await awaited(completions, *args)
+        carried.append(len(completions))
+        return results, claimed
+
+    queue.complete_and_claim = blocking  # type: ignore[method-assign]
+    queue.complete_and_claim_async = counted  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    async def runner(agent: AgentSpec, prompt: str) -> RunOutcome:
+        ran.append(agent.agent_id)
+        return RunOutcome(ok=True)
+
+    async def scenario() -> None:
+        worker = Worker(config, queue, runner, concurrency=5, poll_seconds=0.01)
+        task = asyncio.create_task(worker.run())
+        await until(lambda: sum(carried) == 20, "every outcome recorded by a claim")
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(scenario())
+        rows = queue.list(KERNEL, 100)
+    finally:
+        queue.close()
+    assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
+    assert [d.status for d in rows] == [DispatchStatus.DONE] * 20

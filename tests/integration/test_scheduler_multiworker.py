@@ -113,9 +113,11 @@ def worker_main(argv: list[str]) -> None:
 
 def stall(queue: Any, calls: int) -> None:
     """Let `calls` claims through, then block every later call that records or claims (in its
-    thread, before it reaches the store): a worker frozen with its outcomes buffered."""
+    thread or its task, before it reaches the store): a worker frozen with its outcomes
+    buffered."""
     left = [calls]
     claim, alone = queue.complete_and_claim, queue.complete_batch
+    claim_async = queue.complete_and_claim_async  # PostgreSQL's own: no thread to block
 
     def gate() -> None:
         if left[0] <= 0:
@@ -131,7 +133,14 @@ def stall(queue: Any, calls: int) -> None:
         gate()
         return alone(*a, **k)
 
+    async def complete_and_claim_async(*a: Any, **k: Any) -> Any:
+        if left[0] <= 0:
+            await asyncio.sleep(3600)
+        left[0] -= 1
+        return await claim_async(*a, **k)
+
     queue.complete_and_claim, queue.complete_batch = complete_and_claim, complete_batch
+    queue.complete_and_claim_async = complete_and_claim_async
 
 
 class Fleet:
