@@ -352,6 +352,9 @@ _COMPLETE_AND_CLAIM = (
     f"SELECT {COLS} FROM {_COMPLETE_AND_CLAIM_FUNCTION}(%s, %s, %s, %s, %s, %s, %s, %s)"
 )
 
+_CURRENT = f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)"
+"""The rows of some dispatches as they are now (for a lost lease's conflict message)."""
+
 
 class PostgresDispatchQueue(SqlDispatchQueue):
     """The dispatch queue in PostgreSQL (psycopg 3). One connection per instance, guarded by a
@@ -414,27 +417,19 @@ class PostgresDispatchQueue(SqlDispatchQueue):
         """One call of the server-side function: the outcomes travel as one JSON value and come
         back as the ids recorded; one it did not record (a lost lease) is read back for its
         conflict."""
-        now = self.clock.now()
-        expires = now + timedelta(seconds=lease_seconds)
-        outcomes = _outcomes_json(completions)
-        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
+        params = self._claim_params(
+            completions, kernel_id, worker_id, lease_seconds, max_concurrent, limit
+        )
         with self._session() as conn:
             rows = (  # prepared at once: a worker calls it every batch
                 conn.cursor(row_factory=tuple_row)
-                .execute(_COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True)
+                .execute(_COMPLETE_AND_CLAIM, params, prepare=True)
                 .fetchall()
             )
             recorded, reaped, claimed = _sorted_rows(rows)
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
             current = self._current(conn, lost) if lost else {}
-        log_reaped(reaped)
-        results = [
-            None
-            if c.dispatch_id in recorded
-            else lease_conflict(c.dispatch_id, worker_id, current.get(c.dispatch_id))
-            for c in completions
-        ]
-        return results, in_claim_order(claimed)
+        return _claim_results(completions, worker_id, recorded, reaped, claimed, current)
 
     async def complete_and_claim_async(
         self,
@@ -447,24 +442,40 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     ) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
         """`complete_and_claim` on the claim connection of the running event loop (an
         AsyncConnection): the worker awaits the round trip itself, no thread hop per batch."""
-        now = self.clock.now()
-        expires = now + timedelta(seconds=lease_seconds)
-        outcomes = _outcomes_json(completions)
-        params = (kernel_id, worker_id, now, expires, max_concurrent, CANCELLED_EXPIRED, limit)
+        params = self._claim_params(
+            completions, kernel_id, worker_id, lease_seconds, max_concurrent, limit
+        )
         async with self._claims.session() as conn:
             cursor = conn.cursor(row_factory=tuple_row)
-            await cursor.execute(_COMPLETE_AND_CLAIM, (*params, outcomes), prepare=True)
+            await cursor.execute(_COMPLETE_AND_CLAIM, params, prepare=True)
             recorded, reaped, claimed = _sorted_rows(await cursor.fetchall())
             lost = [c.dispatch_id for c in completions if c.dispatch_id not in recorded]
             current = await _current_async(conn, lost) if lost else {}
-        log_reaped(reaped)
-        results = [
-            None
-            if c.dispatch_id in recorded
-            else lease_conflict(c.dispatch_id, worker_id, current.get(c.dispatch_id))
-            for c in completions
-        ]
-        return results, in_claim_order(claimed)
+        return _claim_results(completions, worker_id, recorded, reaped, claimed, current)
+
+    def _claim_params(
+        self,
+        completions: builtins.list[Completion],
+        kernel_id: str,
+        worker_id: str,
+        lease_seconds: float,
+        max_concurrent: int,
+        limit: int,
+    ) -> tuple[Any, ...]:
+        """The parameters of the server function's call, in its order."""
+        now = self.clock.now()
+        expires = now + timedelta(seconds=lease_seconds)
+        outcomes = _outcomes_json(completions)
+        return (
+            kernel_id,
+            worker_id,
+            now,
+            expires,
+            max_concurrent,
+            CANCELLED_EXPIRED,
+            limit,
+            outcomes,
+        )
 
     def complete_batch(
         self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
@@ -498,7 +509,7 @@ class PostgresDispatchQueue(SqlDispatchQueue):
     @staticmethod
     def _current(conn: Executor, ids: builtins.list[str]) -> dict[str, Dispatch]:
         """The rows of these dispatches as they are now, keyed by id (for conflict messages)."""
-        found = conn.execute(f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (ids,))
+        found = conn.execute(_CURRENT, (ids,))
         return {row["dispatch_id"]: Dispatch.from_row(row) for row in found.fetchall()}
 
     def listener(self, kernel_id: str) -> PostgresDispatchListener:
@@ -640,12 +651,32 @@ class _Link:
         return self._conn
 
 
+def _claim_results(
+    completions: builtins.list[Completion],
+    worker_id: str,
+    recorded: set[str],
+    reaped: builtins.list[Dispatch],
+    claimed: builtins.list[Dispatch],
+    current: dict[str, Dispatch],
+) -> tuple[builtins.list[StoreConflictError | None], builtins.list[Dispatch]]:
+    """What complete_and_claim returns from its rows: per outcome None (recorded) or the lease
+    conflict that kept it out; the claimed dispatches in claim order."""
+    log_reaped(reaped)
+    results = [
+        None
+        if c.dispatch_id in recorded
+        else lease_conflict(c.dispatch_id, worker_id, current.get(c.dispatch_id))
+        for c in completions
+    ]
+    return results, in_claim_order(claimed)
+
+
 async def _current_async(
     conn: psycopg.AsyncConnection[Any], ids: builtins.list[str]
 ) -> dict[str, Dispatch]:
     """`PostgresDispatchQueue._current` on an AsyncConnection."""
     cursor = conn.cursor(row_factory=dict_row)
-    await cursor.execute(f"SELECT {COLS} FROM {TABLE} WHERE dispatch_id = ANY(%s)", (ids,))
+    await cursor.execute(_CURRENT, (ids,))
     return {row["dispatch_id"]: Dispatch.from_row(row) for row in await cursor.fetchall()}
 
 
