@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from functools import cached_property
+from functools import cache, cached_property
+from itertools import chain
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self
 
@@ -392,14 +393,31 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
     }
 
 
-def progress_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
-    """The named parameters of progress_run for one run's delta (run_params' four it uses)."""
-    return {
-        "run_id": delta.run_id,
-        "iterations": delta.iterations,
-        "updated_at": d.to_db_ts(delta.last_ts),
-        "tokens": delta.tokens,
-    }
+def progress_params(run_id: str, iterations: int, updated_at: Any, tokens: int) -> dict[str, Any]:
+    """The named parameters of progress_run."""
+    return {"run_id": run_id, "iterations": iterations, "updated_at": updated_at, "tokens": tokens}
+
+
+def _add_progress(d: Dialect, progress: dict[str, list[Any]], delta: RunDelta) -> None:
+    """Fold a progress delta into `progress`, by run: [iterations, updated_at, tokens], the
+    greatest, the latest and the sum, as progress_run would leave the row after each."""
+    updated_at = d.to_db_ts(delta.last_ts)
+    change = progress.get(delta.run_id)
+    if change is None:
+        progress[delta.run_id] = [delta.iterations, updated_at, delta.tokens]
+    else:
+        change[0] = max(change[0], delta.iterations)
+        change[1] = max(change[1], updated_at)
+        change[2] += delta.tokens
+
+
+_PROGRESS_HEAD = (
+    "UPDATE runs SET iterations = MAX(runs.iterations, v.column2), "
+    "updated_at = MAX(runs.updated_at, v.column3), tokens = runs.tokens + v.column4 "
+    "FROM (VALUES "
+)
+_PROGRESS_TAIL = ") AS v WHERE runs.run_id = v.column1"
+"""progress_run for many runs at once (SQLite 3.33 on: UPDATE ... FROM), one row per run."""
 
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
@@ -504,6 +522,31 @@ class PendingAppend:
     store once committed."""
 
 
+ROWS_PER_INSERT = 128
+"""The most rows one INSERT of events carries: 6 columns x 128 = 768 parameters, within the
+999 of SQLite before 3.32."""
+
+
+def _execute_rows(
+    cur: Executor, head: str, values: str, tail: str, rows: Sequence[tuple[Any, ...]]
+) -> None:
+    """Execute `head` + `values` once per row + `tail` for `rows`, ROWS_PER_INSERT rows a
+    statement at most and a power of two (so a handful of statements serve every count)."""
+    done, size = 0, ROWS_PER_INSERT
+    while done < len(rows):
+        while size > len(rows) - done:
+            size //= 2
+        chunk = rows[done : done + size]
+        done += size
+        cur.execute(_many_rows(head, values, tail, size), list(chain.from_iterable(chunk)))
+
+
+@cache
+def _many_rows(head: str, values: str, tail: str, rows: int) -> str:
+    """The statement of `_execute_rows` for `rows` rows."""
+    return f"{head}{', '.join([values] * rows)}{tail}"
+
+
 class OlderSchemaError(StoreSchemaError):
     """A store opened read-only was written by an older fsm-kernel: it needs its migrations
     (which only a read-write open applies) before this code can read it."""
@@ -529,6 +572,9 @@ class SqlEventStore:
     _queue: list[PendingAppend]
     """Appends waiting for the lock; whoever gets it commits them all."""
     _run_nos: dict[str, int | None]
+    _update_from: ClassVar[bool] = False
+    """The database takes UPDATE ... FROM (VALUES ...) with SQLite's column names (SQLite
+    3.33 on): the progress of many runs in one statement."""
     """The runs whose `runs` row this store has written (it exists: rows are never deleted),
     each with its number (keyed_events; None otherwise), which never changes."""
 
@@ -720,11 +766,20 @@ class SqlEventStore:
         d = self._dialect
         if d.keyed_events:  # the runs' rows first: they number the runs the keys are made of
             self._update_runs(cur, jobs)
-            cur.executemany(d.sql.insert_event, self._keyed_rows(cur, jobs))
+            self._insert_events(cur, self._keyed_rows(cur, jobs))
         else:
             rows = jobs[0].rows if len(jobs) == 1 else [r for job in jobs for r in job.rows]
             cur.executemany(d.sql.insert_event, rows)
             self._update_runs(cur, jobs)
+
+    def _insert_events(self, cur: BatchExecutor, rows: list[tuple[Any, ...]]) -> None:
+        """Insert `rows` with as few statements as it takes, ROWS_PER_INSERT rows each at most
+        (and a power of two, so a handful of statements serve every count): SQLite lets go of
+        the GIL while it runs each statement, so one statement of many rows, rather than one
+        step per row, spares the event loop's thread a wait for the GIL per row (the rows of
+        hundreds of runs at once)."""
+        head, values = self._dialect.sql.insert_event.split(" VALUES ")
+        _execute_rows(cur, f"{head} VALUES ", values, "", rows)
 
     def _keyed_rows(self, cur: BatchExecutor, jobs: list[PendingAppend]) -> list[tuple[Any, ...]]:
         """The rows of `jobs` keyed by (run_no << RUN_KEY_SHIFT) | seq, which stands for their
@@ -755,18 +810,24 @@ class SqlEventStore:
         not matter (and the others of a row this store has written set its status, so
         insert_run's WHERE holds whatever they follow)."""
         d = self._dialect
-        progress = []
+        progress: dict[str, list[Any]] = {}
         for job in jobs:
             for sql, delta in job.runs:
                 if sql is d.sql.insert_run and delta.run_id in self._run_nos:  # the row exists
                     if delta.is_quiet:
                         continue  # and would stay as it is (see insert_run)
                     if delta.is_progress:
-                        progress.append(progress_params(d, delta))
+                        _add_progress(d, progress, delta)
                         continue
                 cur.execute(sql, run_params(d, delta))
-        if progress:
-            cur.executemany(d.sql.progress_run, progress)
+        if not progress:
+            return
+        if self._update_from:
+            rows = [(run_id, *change) for run_id, change in progress.items()]
+            _execute_rows(cur, _PROGRESS_HEAD, "(?, ?, ?, ?)", _PROGRESS_TAIL, rows)
+        else:
+            params = [progress_params(run_id, *change) for run_id, change in progress.items()]
+            cur.executemany(d.sql.progress_run, params)
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""
