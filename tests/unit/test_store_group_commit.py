@@ -139,7 +139,7 @@ def test_a_conflicting_batch_fails_alone_and_the_others_of_its_group_are_stored(
         ([ev("late", 1, EventType.RUN_STARTED)], True),
     ]
     errors = store.append_batches(group)
-    assert errors[0] is None and errors[2] is None and errors[3] is None
+    assert [errors[0], errors[2], errors[3]] == [None, None, None]
     assert isinstance(errors[1], StoreConflictError)
     assert "run old: seq 1 already exists" in str(errors[1])
     assert [(e.run_id, e.seq) for e in store.read("new")] == [("new", 1), ("new", 2)]
@@ -167,7 +167,7 @@ def test_rows_go_in_statements_of_at_most_rows_per_insert_each_a_power_of_two(
 @pytest.mark.parametrize(
     "data",
     [
-        {"b": [1, 2.5, None, True, False], "a": "é\n\"\\ \u2028", "c": {"z": {}, "y": []}},
+        {"b": [1, 2.5, None, True, False], "a": 'é\n"\\ \u2028', "c": {"z": {}, "y": []}},
         {"nested": {"k": [{"x": 1e300, "y": -0.0, "z": 12345678901234567890}]}},
         {"text": "日本語", "emoji": "\U0001f600", "ctrl": "\x00\x1f"},
         {},
