@@ -766,19 +766,27 @@ class SqlEventStore:
         d = self._dialect
         if d.keyed_events:  # the runs' rows first: they number the runs the keys are made of
             self._update_runs(cur, jobs)
-            self._insert_events(cur, self._keyed_rows(cur, jobs))
+            self._insert_events(cur, self._keyed_rows(cur, jobs), together=len(jobs) > 1)
         else:
             rows = jobs[0].rows if len(jobs) == 1 else [r for job in jobs for r in job.rows]
             cur.executemany(d.sql.insert_event, rows)
             self._update_runs(cur, jobs)
 
-    def _insert_events(self, cur: BatchExecutor, rows: list[tuple[Any, ...]]) -> None:
-        """Insert `rows` with as few statements as it takes, ROWS_PER_INSERT rows each at most
-        (and a power of two, so a handful of statements serve every count): SQLite lets go of
-        the GIL while it runs each statement, so one statement of many rows, rather than one
-        step per row, spares the event loop's thread a wait for the GIL per row (the rows of
-        hundreds of runs at once)."""
-        head, values = self._dialect.sql.insert_event.split(" VALUES ")
+    def _insert_events(
+        self, cur: BatchExecutor, rows: list[tuple[Any, ...]], *, together: bool
+    ) -> None:
+        """Insert `rows`: the rows of several batches `together` with as few statements as it
+        takes, ROWS_PER_INSERT rows each at most (and a power of two, so a handful of
+        statements serve every count). SQLite lets go of the GIL while it runs a statement,
+        and the store's thread must take it back after each, so one statement for many rows,
+        rather than one step per row, spares the event loop's thread a wait for the GIL per
+        row (the rows of hundreds of runs at once). A lone batch's few rows go one step each,
+        which costs it less than preparing several statements."""
+        sql = self._dialect.sql.insert_event
+        if not together:
+            cur.executemany(sql, rows)
+            return
+        head, values = sql.split(" VALUES ")
         _execute_rows(cur, f"{head} VALUES ", values, "", rows)
 
     def _keyed_rows(self, cur: BatchExecutor, jobs: list[PendingAppend]) -> list[tuple[Any, ...]]:
@@ -822,7 +830,7 @@ class SqlEventStore:
                 cur.execute(sql, run_params(d, delta))
         if not progress:
             return
-        if self._update_from:
+        if self._update_from and len(jobs) > 1:
             rows = [(run_id, *change) for run_id, change in progress.items()]
             _execute_rows(cur, _PROGRESS_HEAD, "(?, ?, ?, ?)", _PROGRESS_TAIL, rows)
         else:

@@ -1,7 +1,7 @@
 """The SQLite store's group commit (append_batches, how the run recorder writes the batches of
 many concurrent runs): the batches of a group go in as one (multi-row statements for their
 events and for the run rows they only advance), with exactly the outcome of appending them
-one by one, and a conflicting batch still fails alone."""
+one by one, and a conflicting batch still fails alone. A lone batch goes in a row a step."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_a_conflicting_batch_fails_alone_and_the_others_of_its_group_are_stored(
     assert {r.run_id: r.iterations for r in store.list_runs()} == {"old": 1, "new": 0, "late": 0}
 
 
-def test_rows_go_in_statements_of_at_most_rows_per_insert_each_a_power_of_two(
+def test_a_groups_rows_go_in_statements_of_at_most_rows_per_insert_each_a_power_of_two(
     stores: tuple[SqliteEventStore, SqliteEventStore],
 ) -> None:
     _, store = stores
@@ -158,10 +158,29 @@ def test_rows_go_in_statements_of_at_most_rows_per_insert_each_a_power_of_two(
     assert store._conn is not None
     store._conn.set_trace_callback(statements.append)
     count = sql_module.ROWS_PER_INSERT * 2 + 37  # 128 + 128 + 32 + 4 + 1
-    store.append([ev("r", seq) for seq in range(2, 2 + count)], durable=False)
+    group = [([ev("r", seq) for seq in range(2, 2 + count)], False), ([ev("q", 1)], True)]
+    assert store.append_batches(group) == [None, None]
     sizes = [s.count("), (") + 1 for s in statements if s.startswith("INSERT INTO events")]
-    assert sizes == [128, 128, 32, 4, 1]
+    assert sizes == [128, 128, 32, 4, 2]
     assert [e.seq for e in store.read("r")] == list(range(1, 2 + count))
+    assert [e.seq for e in store.read("q")] == [1]
+
+
+def test_a_lone_batch_inserts_a_row_a_step_and_updates_its_run_by_key(
+    stores: tuple[SqliteEventStore, SqliteEventStore],
+) -> None:
+    _, store = stores
+    store.append([ev("r", 1, EventType.RUN_STARTED)])
+    statements: list[str] = []
+    assert store._conn is not None
+    store._conn.set_trace_callback(statements.append)
+    store.append([ev("r", 2), ev("r", 3), iteration("r", 4, 1)])
+    inserts = [s for s in statements if s.startswith("INSERT INTO events")]
+    assert len(inserts) == 3
+    assert all("), (" not in s for s in inserts)
+    [update] = [s for s in statements if s.startswith("UPDATE runs")]
+    assert " FROM " not in update
+    assert store.list_runs()[0].iterations == 1
 
 
 @pytest.mark.parametrize(
