@@ -401,7 +401,8 @@ def check_events(events: Sequence[Event]) -> None:
             raise StoreError(f"event seq {event.seq} has an empty run_id")
         if event.seq < 1:
             raise StoreError(f"event {event.run_id}#{event.seq}: seq must be >= 1")
-        if event.timestamp.tzinfo is None or event.timestamp.utcoffset() is None:
+        ts = event.timestamp
+        if ts.tzinfo is not UTC and (ts.tzinfo is None or ts.utcoffset() is None):
             raise StoreError(f"event {event.run_id}#{event.seq}: timestamp must be timezone-aware")
 
 
