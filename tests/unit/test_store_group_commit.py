@@ -220,3 +220,25 @@ def test_circular_data_is_refused_and_the_next_event_encodes(tmp_path: Path) -> 
     fine = {"a": [1]}
     assert encode_data(ev("r", 2, data=fine)) == '{"a":[1]}'
     assert encode_data(ev("r", 3, data={"again": fine})) == '{"again":{"a":[1]}}'
+
+
+@pytest.mark.postgres
+def test_postgres_stores_a_group_as_one_by_one_appends_and_fails_a_conflict_alone(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    from fsm_kernel.store.postgres import PostgresEventStore
+
+    with (
+        SqliteEventStore(tmp_path / "one.db") as one_by_one,
+        PostgresEventStore(pg_dsn) as grouped,
+    ):
+        for group in runs_batches():
+            for events, durable in group:
+                one_by_one.append(events, durable=durable)
+            assert grouped.append_batches(group) == [None] * len(group)
+        assert contents(grouped) == contents(one_by_one)
+        conflict = [([ev("r0", 1)], True), ([iteration("r1", 500, 4)], False)]
+        errors = grouped.append_batches(conflict)
+        assert isinstance(errors[0], StoreConflictError)
+        assert errors[1] is None
+        assert {r.run_id: r.iterations for r in grouped.list_runs()}["r1"] == 4
