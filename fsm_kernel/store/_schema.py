@@ -7,10 +7,10 @@ Imports only fsm_kernel.errors and fsm_kernel.protocol; the backends import this
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from fsm_kernel.errors import RunNotFoundError, StoreError, StoreSchemaError
 from fsm_kernel.protocol import Event, EventType, RunSummary
@@ -294,6 +294,47 @@ _ENCODER = json.JSONEncoder(
 """One encoder for every event (json.dumps with these options would build one per call)."""
 
 
+def _chunks_encoder() -> Callable[[Any, int], Sequence[str]] | None:
+    """The C encoder `_ENCODER.encode` builds at every call, built once: half the cost of
+    encoding an event's small dict is that set-up. Without a circular-reference check (its
+    table would be shared by every thread, and an error leaves it dirty): event data is a
+    tree, and a cycle still fails, as a RecursionError. None when this Python's `_json` lacks
+    it or builds it differently (then `_ENCODER.encode` is used)."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython has it
+        return None
+    try:
+        chunks = cast(
+            Callable[[Any, int], Sequence[str]],
+            make(
+                None,
+                _ENCODER.default,
+                json.encoder.encode_basestring,
+                None,
+                _ENCODER.key_separator,
+                _ENCODER.item_separator,
+                True,
+                False,
+                False,
+            ),
+        )
+        sample = {"b": [1, 2.5, None, True], "a": '\u00e9\n"', "c": {"z": {}, "y": []}}
+        if "".join(chunks(sample, 0)) != _ENCODER.encode(sample):
+            return None  # pragma: no cover - another Python's encoder
+    except Exception:  # pragma: no cover - another signature
+        return None
+    return chunks
+
+
+_CHUNKS = _chunks_encoder()
+
+
+def _encode(data: Any) -> str:
+    if _CHUNKS is None:  # pragma: no cover - see _chunks_encoder
+        return _ENCODER.encode(data)
+    return "".join(_CHUNKS(data, 0))
+
+
 def encode_data(event: Event) -> str:
     """The event's data as compact JSON; StoreError when it is not plain JSON. Data shared by
     many events (SharedData: a transition decided before, say) is encoded once."""
@@ -302,10 +343,10 @@ def encode_data(event: Event) -> str:
         if type(data) is SharedData:
             encoded = data.encoded
             if encoded is None:
-                encoded = data.encoded = _ENCODER.encode(data)
+                encoded = data.encoded = _encode(data)
             return encoded
-        return _ENCODER.encode(data)
-    except (TypeError, ValueError) as exc:
+        return _encode(data)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise StoreError(
             f"event {event.run_id}#{event.seq} ({event.type}): data is not plain JSON: {exc}"
         ) from exc
@@ -360,7 +401,8 @@ def check_events(events: Sequence[Event]) -> None:
             raise StoreError(f"event seq {event.seq} has an empty run_id")
         if event.seq < 1:
             raise StoreError(f"event {event.run_id}#{event.seq}: seq must be >= 1")
-        if event.timestamp.tzinfo is None or event.timestamp.utcoffset() is None:
+        ts = event.timestamp
+        if ts.tzinfo is not UTC and (ts.tzinfo is None or ts.utcoffset() is None):
             raise StoreError(f"event {event.run_id}#{event.seq}: timestamp must be timezone-aware")
 
 

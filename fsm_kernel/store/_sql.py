@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from functools import cached_property
+from functools import cache, cached_property
+from itertools import chain
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, Self
 
@@ -61,8 +62,10 @@ __all__ = [
     "SqlEventStore",
     "Statements",
     "event_row",
+    "event_rows",
     "like_escape",
     "only_waiting",
+    "progress_params",
     "row_event",
     "row_summary",
     "run_params",
@@ -334,16 +337,26 @@ POSTGRES = Dialect(
 
 def event_row(d: Dialect, event: Event) -> tuple[Any, ...]:
     """The `events` columns of `event`, in insert_event's order."""
-    return (
-        event.run_id,
-        event.seq,
-        event.type.value,
-        d.to_db_ts(event.timestamp),
-        event.iteration,
-        event.state,
-        event.version,
-        encode_data(event),
-    )
+    return event_rows(d, (event,))[0]
+
+
+def event_rows(d: Dialect, events: Iterable[Event]) -> list[tuple[Any, ...]]:
+    """`event_row` of each event: the rows of a batch, built in one loop (the store's thread
+    builds tens of thousands a second when hundreds of runs share it, holding the GIL)."""
+    to_db_ts = d.to_db_ts
+    return [
+        (
+            e.run_id,
+            e.seq,
+            e.type._value_,  # the plain str: Enum.value is a descriptor call
+            to_db_ts(e.timestamp),
+            e.iteration,
+            e.state,
+            e.version,
+            encode_data(e),
+        )
+        for e in events
+    ]
 
 
 def row_event(d: Dialect, row: Sequence[Any]) -> Event:
@@ -378,6 +391,33 @@ def run_params(d: Dialect, delta: RunDelta) -> dict[str, Any]:
         "status_changed": delta.status is not None,
         "reopens": delta.reopens,
     }
+
+
+def progress_params(run_id: str, iterations: int, updated_at: Any, tokens: int) -> dict[str, Any]:
+    """The named parameters of progress_run."""
+    return {"run_id": run_id, "iterations": iterations, "updated_at": updated_at, "tokens": tokens}
+
+
+def _add_progress(d: Dialect, progress: dict[str, list[Any]], delta: RunDelta) -> None:
+    """Fold a progress delta into `progress`, by run: [iterations, updated_at, tokens], the
+    greatest, the latest and the sum, as progress_run would leave the row after each."""
+    updated_at = d.to_db_ts(delta.last_ts)
+    change = progress.get(delta.run_id)
+    if change is None:
+        progress[delta.run_id] = [delta.iterations, updated_at, delta.tokens]
+    else:
+        change[0] = max(change[0], delta.iterations)
+        change[1] = max(change[1], updated_at)
+        change[2] += delta.tokens
+
+
+_PROGRESS_HEAD = (
+    "UPDATE runs SET iterations = MAX(runs.iterations, v.column2), "
+    "updated_at = MAX(runs.updated_at, v.column3), tokens = runs.tokens + v.column4 "
+    "FROM (VALUES "
+)
+_PROGRESS_TAIL = ") AS v WHERE runs.run_id = v.column1"
+"""progress_run for many runs at once (SQLite 3.33 on: UPDATE ... FROM), one row per run."""
 
 
 def row_summary(d: Dialect, row: Sequence[Any]) -> RunSummary:
@@ -482,6 +522,31 @@ class PendingAppend:
     store once committed."""
 
 
+ROWS_PER_INSERT = 128
+"""The most rows one INSERT of events carries: 6 columns x 128 = 768 parameters, within the
+999 of SQLite before 3.32."""
+
+
+def _execute_rows(
+    cur: Executor, head: str, values: str, tail: str, rows: Sequence[tuple[Any, ...]]
+) -> None:
+    """Execute `head` + `values` once per row + `tail` for `rows`, ROWS_PER_INSERT rows a
+    statement at most and a power of two (so a handful of statements serve every count)."""
+    done, size = 0, ROWS_PER_INSERT
+    while done < len(rows):
+        while size > len(rows) - done:
+            size //= 2
+        chunk = rows[done : done + size]
+        done += size
+        cur.execute(_many_rows(head, values, tail, size), list(chain.from_iterable(chunk)))
+
+
+@cache
+def _many_rows(head: str, values: str, tail: str, rows: int) -> str:
+    """The statement of `_execute_rows` for `rows` rows."""
+    return f"{head}{', '.join([values] * rows)}{tail}"
+
+
 class OlderSchemaError(StoreSchemaError):
     """A store opened read-only was written by an older fsm-kernel: it needs its migrations
     (which only a read-write open applies) before this code can read it."""
@@ -507,6 +572,9 @@ class SqlEventStore:
     _queue: list[PendingAppend]
     """Appends waiting for the lock; whoever gets it commits them all."""
     _run_nos: dict[str, int | None]
+    _update_from: ClassVar[bool] = False
+    """The database takes UPDATE ... FROM (VALUES ...) with SQLite's column names (SQLite
+    3.33 on): the progress of many runs in one statement."""
     """The runs whose `runs` row this store has written (it exists: rows are never deleted),
     each with its number (keyed_events; None otherwise), which never changes."""
 
@@ -614,7 +682,7 @@ class SqlEventStore:
                     )
         return PendingAppend(
             batch=batch,
-            rows=[event_row(d, e) for e in batch],
+            rows=event_rows(d, batch),
             runs=[
                 (d.sql.insert_run if delta.started_at is None else d.sql.upsert_run, delta)
                 for delta in summarize_batch(batch)
@@ -653,12 +721,12 @@ class SqlEventStore:
             if mode is not None:  # SET LOCAL: this transaction only
                 cur.execute(mode)
             if len(group) == 1:
-                self._insert(cur, group[0])
-            else:
+                self._insert(cur, group)
+            elif not self._insert_together(cur, group):
                 for job in group:
                     cur.execute("SAVEPOINT batch")
                     try:
-                        self._insert(cur, job)
+                        self._insert(cur, [job])
                     except self._unique_violation as exc:
                         cur.execute("ROLLBACK TO SAVEPOINT batch")
                         job.error = self._conflict(job.batch)
@@ -676,40 +744,98 @@ class SqlEventStore:
         """After a durable commit: whatever else it takes for the commit to be on disk (the
         commit itself did, when commit_mode says so)."""
 
-    def _insert(self, cur: BatchExecutor, job: PendingAppend) -> None:
+    def _insert_together(self, cur: BatchExecutor, group: list[PendingAppend]) -> bool:
+        """Insert the batches of `group` as one (one statement for all their events, one for
+        all the runs they only advance), in a savepoint; False, with nothing of them written,
+        when one of them conflicts: then each goes in a savepoint of its own, so the others
+        still succeed (a conflict is a bug or a second writer of a run: rare)."""
+        cur.execute("SAVEPOINT together")
+        try:
+            self._insert(cur, group)
+        except self._unique_violation:
+            cur.execute("ROLLBACK TO SAVEPOINT together")
+            cur.execute("RELEASE SAVEPOINT together")
+            for job in group:  # numbers looked up in what was rolled back: look again
+                job.run_nos.clear()
+            return False
+        cur.execute("RELEASE SAVEPOINT together")
+        return True
+
+    def _insert(self, cur: BatchExecutor, jobs: list[PendingAppend]) -> None:
+        """Write the events and run rows of `jobs`, in the order given."""
         d = self._dialect
         if d.keyed_events:  # the runs' rows first: they number the runs the keys are made of
-            self._update_runs(cur, job)
-            cur.executemany(d.sql.insert_event, self._keyed_rows(cur, job))
+            self._update_runs(cur, jobs)
+            self._insert_events(cur, self._keyed_rows(cur, jobs), together=len(jobs) > 1)
         else:
-            cur.executemany(d.sql.insert_event, job.rows)
-            self._update_runs(cur, job)
+            rows = jobs[0].rows if len(jobs) == 1 else [r for job in jobs for r in job.rows]
+            cur.executemany(d.sql.insert_event, rows)
+            self._update_runs(cur, jobs)
 
-    def _keyed_rows(self, cur: BatchExecutor, job: PendingAppend) -> list[tuple[Any, ...]]:
-        """`job`'s rows keyed by (run_no << RUN_KEY_SHIFT) | seq, which stands for their run_id
-        and seq columns."""
-        known, numbers = self._run_nos, job.run_nos
+    def _insert_events(
+        self, cur: BatchExecutor, rows: list[tuple[Any, ...]], *, together: bool
+    ) -> None:
+        """Insert `rows`: the rows of several batches `together` with as few statements as it
+        takes, ROWS_PER_INSERT rows each at most (and a power of two, so a handful of
+        statements serve every count). SQLite lets go of the GIL while it runs a statement,
+        and the store's thread must take it back after each, so one statement for many rows,
+        rather than one step per row, spares the event loop's thread a wait for the GIL per
+        row (the rows of hundreds of runs at once). A lone batch's few rows go one step each,
+        which costs it less than preparing several statements."""
+        sql = self._dialect.sql.insert_event
+        if not together:
+            cur.executemany(sql, rows)
+            return
+        head, values = sql.split(" VALUES ")
+        _execute_rows(cur, f"{head} VALUES ", values, "", rows)
+
+    def _keyed_rows(self, cur: BatchExecutor, jobs: list[PendingAppend]) -> list[tuple[Any, ...]]:
+        """The rows of `jobs` keyed by (run_no << RUN_KEY_SHIFT) | seq, which stands for their
+        run_id and seq columns."""
+        known = self._run_nos
         keyed = []
-        for row in job.rows:
-            run_id, seq = row[0], row[1]
-            number = known.get(run_id) or numbers.get(run_id)
-            if number is None:
-                found = cur.execute(self._dialect.sql.select_run_no, (run_id,)).fetchone()
-                if found is None or found[0] is None:  # pragma: no cover - written just before
-                    raise StoreError(f"{self._where}: run {run_id} has no number")
-                number = numbers[run_id] = int(found[0])
-            keyed.append(((number << RUN_KEY_SHIFT) | seq, *row[2:]))
+        for job in jobs:
+            numbers = job.run_nos
+            for row in job.rows:
+                run_id = row[0]
+                number = known.get(run_id) or numbers.get(run_id)
+                if number is None:
+                    number = numbers[run_id] = self._run_no(cur, run_id)
+                keyed.append(((number << RUN_KEY_SHIFT) | row[1], *row[2:]))
         return keyed
 
-    def _update_runs(self, cur: BatchExecutor, job: PendingAppend) -> None:
+    def _run_no(self, cur: BatchExecutor, run_id: str) -> int:
+        """The number of a run whose row this transaction has written."""
+        found = cur.execute(self._dialect.sql.select_run_no, (run_id,)).fetchone()
+        if found is None or found[0] is None:  # pragma: no cover - written just before
+            raise StoreError(f"{self._where}: run {run_id} has no number")
+        return int(found[0])
+
+    def _update_runs(self, cur: BatchExecutor, jobs: list[PendingAppend]) -> None:
+        """Keep the `runs` rows of `jobs` in step. The updates that only advance a row's
+        iterations, tokens and time go last, in one statement: each takes the maximum or adds,
+        so their order among themselves and against the others' changes of the same row does
+        not matter (and the others of a row this store has written set its status, so
+        insert_run's WHERE holds whatever they follow)."""
         d = self._dialect
-        for sql, delta in job.runs:
-            if sql is d.sql.insert_run and delta.run_id in self._run_nos:  # the row exists
-                if delta.is_quiet:
-                    continue  # and would stay as it is (see insert_run)
-                if delta.is_progress:
-                    sql = d.sql.progress_run
-            cur.execute(sql, run_params(d, delta))
+        progress: dict[str, list[Any]] = {}
+        for job in jobs:
+            for sql, delta in job.runs:
+                if sql is d.sql.insert_run and delta.run_id in self._run_nos:  # the row exists
+                    if delta.is_quiet:
+                        continue  # and would stay as it is (see insert_run)
+                    if delta.is_progress:
+                        _add_progress(d, progress, delta)
+                        continue
+                cur.execute(sql, run_params(d, delta))
+        if not progress:
+            return
+        if self._update_from and len(jobs) > 1:
+            rows = [(run_id, *change) for run_id, change in progress.items()]
+            _execute_rows(cur, _PROGRESS_HEAD, "(?, ?, ?, ?)", _PROGRESS_TAIL, rows)
+        else:
+            params = [progress_params(run_id, *change) for run_id, change in progress.items()]
+            cur.executemany(d.sql.progress_run, params)
 
     def read(self, run_id: str) -> list[Event]:
         """Every event of the run in seq order; [] for an unknown run."""

@@ -59,6 +59,7 @@ class SqliteEventStore(SqlEventStore):
     _logger = logger
     _driver_error = sqlite3.Error
     _unique_violation = sqlite3.IntegrityError
+    _update_from = sqlite3.sqlite_version_info >= (3, 33, 0)
 
     def __init__(
         self, path: str | Path, *, busy_timeout: float = _BUSY_TIMEOUT_S, read_only: bool = False
