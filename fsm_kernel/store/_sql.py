@@ -572,11 +572,11 @@ class SqlEventStore:
     _queue: list[PendingAppend]
     """Appends waiting for the lock; whoever gets it commits them all."""
     _run_nos: dict[str, int | None]
+    """The runs whose `runs` row this store has written (it exists: rows are never deleted),
+    each with its number (keyed_events; None otherwise), which never changes."""
     _update_from: ClassVar[bool] = False
     """The database takes UPDATE ... FROM (VALUES ...) with SQLite's column names (SQLite
     3.33 on): the progress of many runs in one statement."""
-    """The runs whose `runs` row this store has written (it exists: rows are never deleted),
-    each with its number (keyed_events; None otherwise), which never changes."""
 
     def _live(self) -> Executor:
         """The open shared connection (called with the lock held); StoreError when closed."""
