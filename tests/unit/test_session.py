@@ -381,3 +381,19 @@ def test_a_session_subclass_reading_its_own_way_is_asked_for_its_messages() -> N
     session = _Newest(messages=[Message.user("old"), Message.user("new")])
     request = RunContext(system_prompt="sys", session=session).messages_for_model()
     assert request == [Message.system("sys"), Message.user("new")]
+
+
+def test_a_history_ends_where_it_was_taken_however_the_session_grew() -> None:
+    session = InMemorySession(messages=[Message.user("a")])
+    history = session.history((Message.system("s"),))
+    session.extend([Message.user("b"), Message.user("c")])
+    assert len(history) == 2
+    with pytest.raises(IndexError):
+        history[2]  # "b" is in the list it reads, but came after
+    assert history[-1] == Message.user("a")
+
+
+def test_a_history_leaves_other_comparisons_to_the_other_side() -> None:
+    from unittest import mock
+
+    assert InMemorySession().history() == mock.ANY  # NotImplemented, not False
