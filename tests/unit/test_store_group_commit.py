@@ -242,3 +242,38 @@ def test_postgres_stores_a_group_as_one_by_one_appends_and_fails_a_conflict_alon
         assert isinstance(errors[0], StoreConflictError)
         assert errors[1] is None
         assert {r.run_id: r.iterations for r in grouped.list_runs()}["r1"] == 4
+
+
+@pytest.mark.parametrize("update_from", [True, False], ids=["update-from", "executemany"])
+def test_a_group_folds_a_runs_progress_as_appending_one_by_one_would(
+    stores: tuple[SqliteEventStore, SqliteEventStore],
+    monkeypatch: pytest.MonkeyPatch,
+    update_from: bool,
+) -> None:
+    # A run twice in one group, its second batch stamped earlier (the wall clock stepped
+    # back) and with a lower iteration: the row keeps the greatest of each, as progress_run
+    # leaves it after each batch in turn.
+    one_by_one, grouped = stores
+    monkeypatch.setattr(SqliteEventStore, "_update_from", update_from)
+    first = [
+        ([ev("r", 1, EventType.RUN_STARTED)], True),
+        ([ev("s", 1, EventType.RUN_STARTED)], True),
+    ]
+    ahead = ev("r", 2, EventType.ITERATION_COMPLETED, iteration=5, data={"step": 5})
+    behind = Event(
+        run_id="r",
+        seq=3,
+        type=EventType.ITERATION_COMPLETED,
+        timestamp=T0 - timedelta(hours=1),
+        iteration=4,
+        state="think",
+        data={"step": 4},
+    )
+    second = [([ahead], True), ([iteration("s", 2, 1)], True), ([behind], True)]
+    for group in (first, second):
+        for events, durable in group:
+            one_by_one.append(events, durable=durable)
+        assert grouped.append_batches(group) == [None] * len(group)
+    assert contents(grouped) == contents(one_by_one)
+    run = {r.run_id: r for r in grouped.list_runs()}["r"]
+    assert (run.iterations, run.updated_at) == (5, T0 + timedelta(seconds=2))
