@@ -476,7 +476,7 @@ def tokens_of(event: Event) -> int:
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class RunDelta:
     """What one appended batch changes in one run's `runs` row."""
 

@@ -535,7 +535,7 @@ def like_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class PendingAppend:
     """One append waiting to be committed, and how it went."""
 
