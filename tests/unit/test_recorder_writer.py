@@ -236,3 +236,44 @@ def test_a_store_whose_idle_append_cannot_sync_gets_its_syncs_from_the_thread(
     assert store.threads[0] != loop_thread
     assert [e.type for e in store.read("r")] == [EventType.MODEL_REQUESTED]
     store.close()
+
+
+def test_whether_a_store_takes_durable_is_asked_of_its_method_and_kept_per_function(
+    tmp_path: Path,
+) -> None:
+    """Every run's recorder asks whether its store's `append` takes `durable=`: the answer is
+    each method's own (kept per function, so another store class, or a plain function as the
+    store's append, gets its own), and a relaxed batch reaches only a store that takes it."""
+
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, ...]] = []
+
+        def append(self, events: Sequence[Event]) -> None:
+            self.calls.append(tuple(e.seq for e in events))
+
+    class Positional(Plain):
+        def append(self, events: Sequence[Event], durable: bool = True) -> None:  # type: ignore[override]
+            self.calls.append(tuple(e.seq for e in events))
+
+    sqlite = SqliteEventStore(tmp_path / "runs.db")
+    plain, positional = Plain(), Positional()
+    function_store = Plain()
+    function_store.append = lambda events, *, durable=True: None  # type: ignore[method-assign]
+    for _ in range(2):  # the second time from what was kept
+        assert recorder_module._takes_durable(sqlite) is True
+        assert recorder_module._takes_durable(plain) is False
+        assert recorder_module._takes_durable(positional) is False
+        assert recorder_module._takes_durable(function_store) is True
+        assert recorder_module._takes_durable(None) is False
+    assert RunRecorder("r", sqlite)._sync_if_idle is not None
+    assert RunRecorder("r", plain)._sync_if_idle is None  # no idle append at all
+
+    async def relaxed_batch() -> None:
+        recorder = RunRecorder("r", plain)
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush(durable=False)  # a store without durable= syncs every batch
+
+    asyncio.run(relaxed_batch())
+    assert plain.calls == [(1,)]
+    sqlite.close()

@@ -792,3 +792,49 @@ def test_timestamps_are_stored_as_utc_text_whatever_their_offset() -> None:
         format_ts(datetime(2026, 1, 1, 12, 0, 5, 7, tzinfo=UTC))
         == "2026-01-01T12:00:05.000007+00:00"
     )
+
+
+def test_timestamps_format_as_isoformat_does_across_seconds_days_and_going_back() -> None:
+    """format_ts keeps the text of the last second it formatted: each timestamp, whichever
+    came before it (the same second, the next, a day or a year later, an earlier one, another
+    offset, a zone other than `UTC` at offset 0), is still exactly its isoformat in UTC."""
+    from datetime import timezone
+    from zoneinfo import ZoneInfo
+
+    from fsm_kernel.store._schema import format_ts
+
+    def iso(ts: datetime) -> str:
+        return ts.astimezone(UTC).isoformat(timespec="microseconds")
+
+    base = datetime(2026, 12, 31, 23, 59, 58, 999_998, tzinfo=UTC)
+    steps = [0, 1, 1, 999_998, 1, 1_000_000, 86_400_000_000, -1, -86_400_000_001, 5]
+    stamps = [base]
+    for micros in steps:
+        stamps.append(stamps[-1] + timedelta(microseconds=micros))
+    stamps += [
+        datetime(2026, 1, 1, 0, 0, tzinfo=timezone(timedelta(hours=-5, minutes=-30))),
+        datetime(2026, 1, 1, 0, 0, 0, 1, tzinfo=ZoneInfo("UTC")),
+        datetime(2026, 3, 29, 3, 30, 0, 250_000, tzinfo=ZoneInfo("Europe/Berlin")),
+        datetime(2026, 3, 29, 1, 30, 0, 250_000, tzinfo=UTC),
+        datetime(1969, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+        datetime(1, 1, 1, 0, 0, 0, 42, tzinfo=UTC),
+        datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+        datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+    ]
+    formatted = [format_ts(ts) for ts in stamps]
+    assert formatted == [iso(ts) for ts in stamps]
+    assert formatted[:7] == [
+        "2026-12-31T23:59:58.999998+00:00",
+        "2026-12-31T23:59:58.999998+00:00",
+        "2026-12-31T23:59:58.999999+00:00",
+        "2026-12-31T23:59:59.000000+00:00",
+        "2026-12-31T23:59:59.999998+00:00",
+        "2026-12-31T23:59:59.999999+00:00",
+        "2027-01-01T00:00:00.999999+00:00",
+    ]
+    assert formatted[9:11] == [  # back a day, then into the next second
+        "2027-01-01T00:00:00.999997+00:00",
+        "2027-01-01T00:00:01.000002+00:00",
+    ]
+    assert formatted[-6] == "2026-03-29T01:30:00.250000+00:00"  # Berlin's summer time, +02:00
+    assert formatted[-3] == "0001-01-01T00:00:00.000042+00:00"
