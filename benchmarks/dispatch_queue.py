@@ -253,6 +253,7 @@ async def _fsm_worker(dsn: str, jobs: int, concurrency: int) -> None:
         return RunOutcome(ok=True)
 
     worker = Worker(config, queue, noop, concurrency=concurrency)
+    await worker.start()  # connected and listening before "ready", as pgqueuer's worker is
     stop = asyncio.Event()
     await _ready_then_go(stop)
     try:

@@ -269,8 +269,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                   f"{d.run_id or '-'} {d.termination_reason or ''}",
                                                   flush=True))  # fmt: skip
         _install_stop(worker.stop)
-        print(f"worker for {config.kernel_id} started (Ctrl-C to stop)", file=sys.stderr)
         try:
+            await worker.start()  # connected (and listening, on PostgreSQL): ready
+            wakes = ("listening for new dispatches" if worker.listening.is_set()
+                     else f"looking for dispatches every {worker.poll_seconds:g}s")  # fmt: skip
+            print(f"worker for {config.kernel_id} ready: connected, {wakes} (Ctrl-C to stop)",
+                  file=sys.stderr)  # fmt: skip
             await worker.run()
         finally:
             await runner.aclose()

@@ -526,6 +526,10 @@ class SqlDispatchQueue:
             limit,
         )
 
+    async def connect_async(self) -> None:
+        """Nothing to open: `complete_and_claim_async` runs in a thread, on the store's own
+        connection."""
+
     def complete_batch(
         self, completions: builtins.list[Completion], *, max_concurrent: int | None = None
     ) -> builtins.list[Dispatch | StoreConflictError]:

@@ -453,6 +453,12 @@ class PostgresDispatchQueue(SqlDispatchQueue):
             current = await _current_async(conn, lost) if lost else {}
         return _claim_results(completions, worker_id, recorded, reaped, claimed, current)
 
+    async def connect_async(self) -> None:
+        """Open the claim connection of the running event loop (see complete_and_claim_async).
+        StoreError if the server cannot be reached."""
+        async with self._claims.session():
+            pass
+
     def _claim_params(
         self,
         completions: builtins.list[Completion],

@@ -359,6 +359,13 @@ class DispatchQueue(Protocol):
         hop per batch."""
         ...
 
+    async def connect_async(self) -> None:
+        """Open now what `complete_and_claim_async` uses in the caller's event loop
+        (PostgreSQL: its connection), so that a worker's first claim pays no connection; a
+        no-op where there is nothing to open (SQLite). Worker.start calls it.
+        StoreError if the store cannot be reached."""
+        ...
+
     def settle_waiting(
         self,
         run_id: str,

@@ -89,6 +89,8 @@ class Worker:
         self.listening = asyncio.Event()
         """Set once the queue's listener is LISTENing (PostgreSQL); never on a polling-only
         queue."""
+        self._pump_task: asyncio.Task[None] | None = None
+        self._started = False
 
     @property
     def stopping(self) -> bool:
@@ -103,12 +105,48 @@ class Worker:
             self._abandon.set()
             self._executor.abandon_all()
 
+    async def start(self, *, listen_timeout: float = 5.0) -> None:
+        """Connect before the first claim, then return: the queue's claim connection is open
+        and, on PostgreSQL, the listener LISTENs (waited for up to `listen_timeout` seconds;
+        past that a warning, and it goes on connecting while the worker polls). The point
+        where a worker is ready: `fsm-kernel worker` says so then, and a fleet started
+        together begins its work without connecting first. Optional (run() starts a worker
+        that was not started, connecting at its first claim) and idempotent; call run() next,
+        in the same event loop.
+
+        Raises:
+            StoreError: the queue cannot be reached (nothing was claimed).
+        """
+        if self._started:
+            return
+        await self.queue.connect_async()
+        self._started = True
+        self._listen()
+        if self._pump_task is None:
+            return  # a polling-only queue
+        try:
+            await asyncio.wait_for(self.listening.wait(), listen_timeout)
+        except TimeoutError:
+            logger.warning(
+                "worker %s: not listening for wake-ups after %gs; polling meanwhile",
+                self.worker_id,
+                listen_timeout,
+            )
+
+    def _listen(self) -> None:
+        """Start relaying the queue's signals (once; run() stops it)."""
+        if self._pump_task is not None:
+            return
+        listener = self.queue.listener(self.config.kernel_id)
+        if listener is not None:
+            self._pump_task = asyncio.create_task(self._pump(listener))
+
     async def run(self, stop_event: asyncio.Event | None = None) -> None:
-        """Claim and execute until `stop_event` is set or stop() is called."""
+        """Claim and execute until `stop_event` is set or stop() is called (see start())."""
         logger.info("worker %s started (kernel %s)", self.worker_id, self.config.kernel_id)
         watcher = asyncio.create_task(self._watch(stop_event)) if stop_event else None
-        listener = self.queue.listener(self.config.kernel_id)
-        pump = asyncio.create_task(self._pump(listener)) if listener is not None else None
+        self._listen()
+        pump, self._pump_task = self._pump_task, None
         try:
             await self._loop()
         except asyncio.CancelledError:

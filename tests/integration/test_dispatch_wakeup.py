@@ -187,3 +187,62 @@ def test_the_listener_passes_on_its_kernels_signals_only(store: str, queue: Disp
     assert [s.kind for s in signals] == ["reconnected", "enqueued", "cancel"]
     assert {s.kernel_id for s in signals} == {K}
     assert signals[1].dispatch_id == signals[2].dispatch_id
+
+
+def _connections(store: str) -> int:
+    import psycopg
+
+    with psycopg.connect(store, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_start_connects_and_listens_before_the_first_claim(
+    store: str, queue: DispatchQueue
+) -> None:
+    """A started worker is ready: its claim connection is open and it LISTENs, yet it has
+    claimed nothing; run() then takes the work at once, on those connections."""
+    runner = Recorder()
+    queue.enqueue(K, "a0", "p", 0, "k0")
+
+    async def scenario() -> tuple[int, int, int]:
+        worker = Worker(config(store), open_queue(store), runner)
+        before = await asyncio.to_thread(_connections, store)
+        await worker.start()
+        assert worker.listening.is_set()
+        await worker.start()  # idempotent: nothing more is opened
+        started = await asyncio.to_thread(_connections, store)
+        await asyncio.sleep(0.2)
+        assert runner.started == {}  # start() claims nothing
+        assert [d.status.value for d in queue.list(K)] == ["pending"]
+        task = asyncio.create_task(worker.run())
+        await until(lambda: "a0" in runner.started, "the run")
+        running = await asyncio.to_thread(_connections, store)
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        worker.queue.close()
+        return before, started, running
+
+    before, started, running = asyncio.run(scenario())
+    assert started - before == 2  # the claim connection and the listener's
+    assert running == started  # run() opened no other
+
+
+def test_start_fails_at_once_on_an_unreachable_server() -> None:
+    from fsm_kernel.errors import StoreError
+    from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
+
+    unreachable = "postgresql://fsm@127.0.0.1:9/none?connect_timeout=2"
+    worker = Worker(config(unreachable), PostgresDispatchQueue(unreachable), Recorder())
+
+    async def scenario() -> None:
+        for _ in range(2):  # not marked started by a failed attempt: the second tries again
+            with pytest.raises(StoreError, match="unavailable"):
+                await worker.start()
+        assert not worker.listening.is_set()
+
+    asyncio.run(scenario())

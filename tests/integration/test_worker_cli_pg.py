@@ -120,7 +120,7 @@ class WorkerProcess:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.stderr.append(line)
-            if "started" in line:
+            if " ready: connected, listening for new dispatches " in line:  # PostgreSQL
                 self.started.set()
 
     def wait_started(self) -> None:

@@ -182,3 +182,25 @@ def test_claim_failures_are_retried(tmp_path: Path, clock: FakeClock) -> None:
         queue.close()
     assert queue.failures == 0
     assert results[0].status is ExecutionStatus.DONE
+
+
+def test_start_on_sqlite_opens_nothing_to_listen_with_and_run_still_works(
+    tmp_path: Path, queue: SqliteDispatchQueue
+) -> None:
+    enqueue_all(queue, ["a"])
+    runner = ScriptedRunner()
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, runner, results)
+
+    async def scenario() -> None:
+        await worker.start()
+        await worker.start()
+        assert not worker.listening.is_set()  # SQLite only polls
+        assert [d.status for d in queue.list("k1")] == [DispatchStatus.PENDING]  # none claimed
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 1, what="the dispatch")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
