@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_kernel.bootstrap import RunOptions
+from fsm_kernel.cli import heap
 from fsm_kernel.errors import ConfigError
 from fsm_kernel.scheduler import load_scheduler_config
 
@@ -60,6 +61,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         await fleet.launch()
+        heap.settle()
         try:
             if args.once:
                 return await _once(fleet, args.json)
@@ -105,6 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         await fleet.launch(worker_concurrency=args.concurrency)
+        heap.settle()
         print(f"worker for {fleet.config.kernel_id} on DBOS, queue {fleet.queue_name} "
               "(Ctrl-C to stop)", file=sys.stderr)  # fmt: skip
         try:

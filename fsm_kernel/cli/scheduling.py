@@ -16,6 +16,7 @@ from typing import Any
 
 from fsm_kernel.api import Agent
 from fsm_kernel.bootstrap import RunOptions, load_spec, resolve_workflow
+from fsm_kernel.cli import heap
 from fsm_kernel.cli.output import cut
 from fsm_kernel.cli.timer_wake import recorded_spec, timer_waker
 from fsm_kernel.errors import ScheduleError, StoreConflictError
@@ -228,6 +229,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         scheduler = Scheduler(config, queue, runner, wake=timer_waker(config, queue=queue),
                               on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
         _install_stop(scheduler.stop)
+        heap.settle()
         try:
             if args.once:
                 result = await scheduler.run_cycle()
@@ -271,6 +273,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         _install_stop(worker.stop)
         try:
             await worker.start()  # connected (and listening, on PostgreSQL): ready
+            heap.settle()
             wakes = ("listening for new dispatches" if worker.listening.is_set()
                      else f"looking for dispatches every {worker.poll_seconds:g}s")  # fmt: skip
             print(f"worker for {config.kernel_id} ready: connected, {wakes} (Ctrl-C to stop)",
