@@ -630,14 +630,16 @@ class _Link:
     def session(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         """The connection (autocommit), psycopg's errors translated to StoreError."""
         with self._lock:
+            was_open = self._conn is not None
             try:
                 yield self._connect()
             except psycopg.OperationalError as exc:
-                logger.warning("dispatch store connection failed, reconnecting next call: %s", exc)
+                if was_open:  # the caller hears of a failure to connect at all from its error
+                    logger.warning("dispatch store connection lost, reconnecting: %s", _line(exc))
                 self._drop()
-                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {exc}") from exc
+                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {_line(exc)}") from exc
             except psycopg.Error as exc:
-                raise StoreError(f"dispatch store (PostgreSQL) failed: {exc}") from exc
+                raise StoreError(f"dispatch store (PostgreSQL) failed: {_line(exc)}") from exc
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -655,6 +657,11 @@ class _Link:
             conn.execute("SET TIME ZONE 'UTC'")
             self._conn = conn
         return self._conn
+
+
+def _line(exc: BaseException) -> str:
+    """A driver error on one line (libpq's messages carry a hint on a line of their own)."""
+    return " ".join(str(exc).split())
 
 
 def _claim_results(
@@ -709,14 +716,16 @@ class _AsyncLink:
             self._drop()
             self._loop, self._lock = loop, asyncio.Lock()
         async with self._lock:
+            was_open = self._conn is not None
             try:
                 yield await self._connect()
             except psycopg.OperationalError as exc:
-                logger.warning("dispatch store connection failed, reconnecting next call: %s", exc)
+                if was_open:  # see _Link.session
+                    logger.warning("dispatch store connection lost, reconnecting: %s", _line(exc))
                 self._drop()
-                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {exc}") from exc
+                raise StoreError(f"dispatch store (PostgreSQL) unavailable: {_line(exc)}") from exc
             except psycopg.Error as exc:
-                raise StoreError(f"dispatch store (PostgreSQL) failed: {exc}") from exc
+                raise StoreError(f"dispatch store (PostgreSQL) failed: {_line(exc)}") from exc
             except asyncio.CancelledError:
                 self._drop()  # a statement may still be under way on it
                 raise

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -218,9 +219,12 @@ def test_complete_and_claim_records_each_outcomes_fields_exactly(
 
 
 @pytest.mark.postgres
-def test_the_awaited_claim_reconnects_after_its_connection_was_lost(pg_dsn: str) -> None:
+def test_the_awaited_claim_reconnects_after_its_connection_was_lost(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The worker's claim connection (an AsyncConnection) dropped by the server: that call
-    fails as a StoreError (nothing recorded, nothing claimed), the next one reconnects."""
+    fails as a StoreError (nothing recorded, nothing claimed), the next one reconnects. The
+    loss is logged once, on one line."""
     import psycopg
 
     queue = open_queue(pg_url(pg_dsn))
@@ -234,8 +238,12 @@ def test_the_awaited_claim_reconnects_after_its_connection_was_lost(pg_dsn: str)
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
-        with pytest.raises(StoreError, match="unavailable"):
+        with pytest.raises(StoreError, match="unavailable") as failed:
             await queue.complete_and_claim_async([done("w", a, 1)], KERNEL, "w", 60, 10, 1)
+        assert "\n" not in str(failed.value)
+        lost = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
+        assert len(lost) == 1, lost
+        assert "\n" not in lost[0]
         observer = open_queue(pg_url(pg_dsn))  # the queue's own connections were dropped too
         assert observer.get(a).status is DispatchStatus.RUNNING  # type: ignore[union-attr]
         observer.close()
@@ -593,3 +601,27 @@ def test_a_postgresql_worker_awaits_its_claims_in_its_event_loop(pg_dsn: str) ->
         queue.close()
     assert sorted(ran) == sorted(f"agent{i}" for i in range(20))
     assert [d.status for d in rows] == [DispatchStatus.DONE] * 20
+
+
+@pytest.mark.postgres
+def test_a_server_never_reached_is_one_error_line_and_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No connection was ever made: the caller's StoreError (one line: libpq's hint joined on)
+    says it all, with no "connection lost" warning before it, from either connection."""
+    from fsm_kernel.scheduler.pg_queue import PostgresDispatchQueue
+
+    queue = PostgresDispatchQueue("postgresql://fsm@127.0.0.1:9/none?connect_timeout=2")
+    with pytest.raises(StoreError, match="unavailable") as sync_failed:
+        queue.list(KERNEL)
+
+    async def awaited() -> None:
+        await queue.complete_and_claim_async([], KERNEL, "w", 60, 10, 1)
+
+    with pytest.raises(StoreError, match="unavailable") as async_failed:
+        asyncio.run(awaited())
+    queue.close()
+    for failed in (sync_failed, async_failed):
+        assert "\n" not in str(failed.value)
+        assert "Is the server running" in str(failed.value)  # the hint, on the same line
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
