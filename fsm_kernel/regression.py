@@ -17,10 +17,9 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import zip_longest
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fsm_kernel.bootstrap import load_spec, recorded_workflow
-from fsm_kernel.diagram import HeatOverlay
 from fsm_kernel.errors import FsmKernelError, ResumeError
 from fsm_kernel.protocol import Event, EventStore, RunFilter, RunSummary
 from fsm_kernel.replay import (
@@ -36,6 +35,9 @@ from fsm_kernel.workflow.compiler import CompiledWorkflow, compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
 from fsm_kernel.workflow.migrations import Translation, translation_between
 from fsm_kernel.workflow.spec import WorkflowSpec, edge_number
+
+if TYPE_CHECKING:  # imported where used: the diagrams (and graphviz, ~30 ms) load on demand
+    from fsm_kernel.diagram import HeatOverlay
 
 __all__ = [
     "Divergence",
@@ -505,6 +507,8 @@ def workflow_coverage(
     """The stored runs of `spec`'s workflow (every run that recorded its name, child runs
     included), each read once and folded into one HeatOverlay: how often each edge of `spec`
     fired, how the runs ended, the tokens spent in each state."""
+    from fsm_kernel.diagram import HeatOverlay
+
     heat = HeatOverlay(workflow=spec.name)
     for summary in stored_runs(store, RunFilter(workflow=spec.name), since=since):
         heat.add_run(spec, store.read(summary.run_id))
