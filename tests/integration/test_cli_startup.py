@@ -215,3 +215,25 @@ def test_validate_loads_the_workflow_code_but_no_run_machinery() -> None:
         "sqlite3",
     }
     assert added & run_machinery == set()
+
+
+def test_the_library_loads_no_diagram_code_until_asked() -> None:
+    """`import fsm_kernel.api` (what an application embedding Agent pays) leaves the diagrams
+    and graphviz out; folding a workflow's coverage, which draws on them, loads them then."""
+    root = Path(__file__).resolve().parents[2]
+    probe = (
+        "import sys, fsm_kernel.api\n"
+        "before = {'graphviz', 'fsm_kernel.diagram'} & set(sys.modules)\n"
+        "from fsm_kernel.regression import workflow_coverage\n"
+        "from fsm_kernel.store import SqliteEventStore\n"
+        "from fsm_kernel.workflow.loader import load_workflow\n"
+        f"spec = load_workflow({str(root / 'workflows' / 'default.yaml')!r})\n"
+        "heat = workflow_coverage(SqliteEventStore(':memory:'), spec)\n"
+        "after = {'graphviz', 'fsm_kernel.diagram'} & set(sys.modules)\n"
+        "print(sorted(before), sorted(after), type(heat).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "['fsm_kernel.diagram',", "'graphviz']", "HeatOverlay"]
