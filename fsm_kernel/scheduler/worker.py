@@ -98,9 +98,13 @@ class Worker:
 
     def stop(self, *, abandon: bool = False) -> None:
         """Stop claiming. Idempotent. In-flight dispatches finish, unless `abandon`: then they
-        are cancelled and left for their lease to expire."""
+        are cancelled and left for their lease to expire. A worker started but not yet run
+        stops listening (its listener's connection closes)."""
         self._stop_requested.set()
         self._changed.set()
+        if self._pump_task is not None:  # start()ed, and run() has not taken it over
+            self._pump_task.cancel()
+            self._pump_task = None
         if abandon:
             self._abandon.set()
             self._executor.abandon_all()
@@ -124,9 +128,14 @@ class Worker:
         self._listen()
         if self._pump_task is None:
             return  # a polling-only queue
-        try:
-            await asyncio.wait_for(self.listening.wait(), listen_timeout)
-        except TimeoutError:
+        waits = {asyncio.ensure_future(self.listening.wait()),
+                 asyncio.ensure_future(self._stop_requested.wait())}  # fmt: skip
+        done, pending = await asyncio.wait(
+            waits, timeout=listen_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        for wait in pending:
+            wait.cancel()
+        if not done:
             logger.warning(
                 "worker %s: not listening for wake-ups after %gs; polling meanwhile",
                 self.worker_id,
@@ -145,7 +154,8 @@ class Worker:
         """Claim and execute until `stop_event` is set or stop() is called (see start())."""
         logger.info("worker %s started (kernel %s)", self.worker_id, self.config.kernel_id)
         watcher = asyncio.create_task(self._watch(stop_event)) if stop_event else None
-        self._listen()
+        if not self.stopping:  # stopped already (during start(), say): no listening
+            self._listen()
         pump, self._pump_task = self._pump_task, None
         try:
             await self._loop()

@@ -246,3 +246,33 @@ def test_start_fails_at_once_on_an_unreachable_server() -> None:
         assert not worker.listening.is_set()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_started_then_stopped_before_it_ran_stops_listening(
+    store: str, queue: DispatchQueue
+) -> None:
+    """stop() between start() and run() (Ctrl-C while `fsm-kernel worker` connects): the
+    listener's connection closes; run() then returns at once, claiming nothing."""
+    runner = Recorder()
+    queue.enqueue(K, "a0", "p", 0, "k0")
+
+    async def scenario() -> tuple[int, int, int]:
+        worker = Worker(config(store), open_queue(store), runner)
+        before = await asyncio.to_thread(_connections, store)
+        await worker.start()
+        started = await asyncio.to_thread(_connections, store)
+        worker.stop()
+        deadline = time.monotonic() + 10
+        while await asyncio.to_thread(_connections, store) != started - 1:
+            assert time.monotonic() < deadline, "the listener's connection stayed open"
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(worker.run(), 10)
+        after_run = await asyncio.to_thread(_connections, store)
+        worker.queue.close()
+        return before, started, after_run
+
+    before, started, after_run = asyncio.run(scenario())
+    assert started - before == 2
+    assert after_run == started - 1  # run() listened to nothing more
+    assert runner.started == {}
+    assert [d.status.value for d in queue.list(K)] == ["pending"]

@@ -204,3 +204,77 @@ def test_start_on_sqlite_opens_nothing_to_listen_with_and_run_still_works(
 
     asyncio.run(scenario())
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+class _SilentListener:
+    """A listener that connects, in appearance, but never hears anything (not even that it
+    is listening): a server whose LISTEN never completes."""
+
+    def __init__(self) -> None:
+        self.entered = self.exited = False
+
+    async def __aenter__(self) -> _SilentListener:
+        self.entered = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.exited = True
+
+    async def get(self) -> Any:
+        await asyncio.Event().wait()  # forever
+
+
+class _QueueWithSilentListener:
+    """The SQLite queue, with a listener that never says it listens."""
+
+    def __init__(self, queue: SqliteDispatchQueue) -> None:
+        self._queue = queue
+        self.silent = _SilentListener()
+
+    def listener(self, kernel_id: str) -> _SilentListener:
+        return self.silent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def test_start_gives_up_waiting_for_a_listener_that_never_listens_with_a_warning(
+    tmp_path: Path, queue: SqliteDispatchQueue, caplog: pytest.LogCaptureFixture
+) -> None:
+    quiet = _QueueWithSilentListener(queue)
+    worker = make_worker(tmp_path, quiet, ScriptedRunner(), [])
+
+    async def scenario() -> None:
+        await worker.start(listen_timeout=0.05)
+        assert not worker.listening.is_set()
+        assert quiet.silent.entered
+        assert not quiet.silent.exited
+        worker.stop()  # before run(): the listener is closed now, not when the loop ends
+        await wait_until(lambda: quiet.silent.exited, what="the listener closed")
+
+    asyncio.run(scenario())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["worker w1: not listening for wake-ups after 0.05s; polling meanwhile"]
+
+
+def test_stop_during_start_ends_the_wait_for_the_listener_at_once(
+    tmp_path: Path, queue: SqliteDispatchQueue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C while `fsm-kernel worker` waits to listen: start() returns without waiting out
+    its listen_timeout (an hour here) and without the warning; run() then claims nothing."""
+    enqueue_all(queue, ["a"])
+    quiet = _QueueWithSilentListener(queue)
+    runner = ScriptedRunner()
+    worker = make_worker(tmp_path, quiet, runner, [])
+
+    async def scenario() -> None:
+        starting = asyncio.create_task(worker.start(listen_timeout=3600))
+        await wait_until(lambda: quiet.silent.entered, what="the listener")
+        worker.stop()
+        await asyncio.wait_for(starting, 5)
+        await asyncio.wait_for(worker.run(), 5)
+
+    asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert runner.calls == []
+    assert [d.status for d in queue.list("k1")] == [DispatchStatus.PENDING]
