@@ -276,8 +276,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             heap.settle()
             wakes = ("listening for new dispatches" if worker.listening.is_set()
                      else f"looking for dispatches every {worker.poll_seconds:g}s")  # fmt: skip
-            print(f"worker for {config.kernel_id} ready: connected, {wakes} (Ctrl-C to stop)",
-                  file=sys.stderr)  # fmt: skip
+            if not worker.stopping:  # Ctrl-C while it connected: not ready, stopping
+                print(f"worker for {config.kernel_id} ready: connected, {wakes} "
+                      "(Ctrl-C to stop)", file=sys.stderr)  # fmt: skip
             await worker.run()
         finally:
             await runner.aclose()
