@@ -201,6 +201,14 @@ def _connections(store: str) -> int:
     return int(row[0])
 
 
+async def _started(store: str, runner: Recorder) -> tuple[Worker, int, int]:
+    """A worker of `store`, started: it, and the server's connections before and after."""
+    worker = Worker(config(store), open_queue(store), runner)
+    before = await asyncio.to_thread(_connections, store)
+    await worker.start()
+    return worker, before, await asyncio.to_thread(_connections, store)
+
+
 def test_start_connects_and_listens_before_the_first_claim(
     store: str, queue: DispatchQueue
 ) -> None:
@@ -210,12 +218,10 @@ def test_start_connects_and_listens_before_the_first_claim(
     queue.enqueue(K, "a0", "p", 0, "k0")
 
     async def scenario() -> tuple[int, int, int]:
-        worker = Worker(config(store), open_queue(store), runner)
-        before = await asyncio.to_thread(_connections, store)
-        await worker.start()
+        worker, before, started = await _started(store, runner)
         assert worker.listening.is_set()
         await worker.start()  # idempotent: nothing more is opened
-        started = await asyncio.to_thread(_connections, store)
+        assert await asyncio.to_thread(_connections, store) == started
         await asyncio.sleep(0.2)
         assert runner.started == {}  # start() claims nothing
         assert [d.status.value for d in queue.list(K)] == ["pending"]
@@ -257,10 +263,7 @@ def test_a_worker_started_then_stopped_before_it_ran_stops_listening(
     queue.enqueue(K, "a0", "p", 0, "k0")
 
     async def scenario() -> tuple[int, int, int]:
-        worker = Worker(config(store), open_queue(store), runner)
-        before = await asyncio.to_thread(_connections, store)
-        await worker.start()
-        started = await asyncio.to_thread(_connections, store)
+        worker, before, started = await _started(store, runner)
         worker.stop()
         deadline = time.monotonic() + 10
         while await asyncio.to_thread(_connections, store) != started - 1:
