@@ -1,0 +1,176 @@
+"""The recorder's behaviours that mutation testing found unpinned: catching up with a log
+written by an older fsm-kernel (which lacks a context summary's `iteration.completed`), where a
+resume diverges from the log and what it records from there, and the shorthands (`recorder(...)`,
+`sync()`) the actions use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from fsm_kernel.protocol import Event, EventType
+from fsm_kernel.recorder import RunRecorder
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class FixedClock:
+    def now(self) -> datetime:
+        return T0
+
+    def monotonic(self) -> float:
+        return 0.0
+
+
+class NotingStore:
+    """A store without an idle append: every batch goes to the writer thread, noted with the
+    durability it was asked for."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[list[int], bool]] = []
+
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        self.written.append(([e.seq for e in events], durable))
+
+
+def logged(seq: int, type_: EventType, **data: Any) -> Event:
+    return Event(run_id="r", seq=seq, type=type_, timestamp=T0, data=data)
+
+
+def catching_up(log: list[Event], store: Any = None) -> RunRecorder:
+    return RunRecorder("r", store, clock=FixedClock(), expected=log, next_seq=len(log) + 1)
+
+
+def summary(step: int) -> dict[str, Any]:
+    return {"step": step, "decision": "summarize"}
+
+
+def test_a_context_summary_an_older_log_lacks_is_skipped_and_catch_up_goes_on() -> None:
+    log = [
+        logged(1, EventType.STATE_ENTERED),
+        logged(2, EventType.ITERATION_COMPLETED, step=1, decision="think"),
+    ]
+    recorder = catching_up(log)
+
+    assert recorder.record(EventType.STATE_ENTERED, {}) is log[0]
+    # written by an older fsm-kernel: no summary's record here; the history stays as written
+    assert recorder.record(EventType.ITERATION_COMPLETED, summary(2)) is None
+    assert recorder.catching_up
+    assert (
+        recorder.record(EventType.ITERATION_COMPLETED, {"step": 1, "decision": "think"}) is (log[1])
+    )
+
+    assert not recorder.catching_up
+    assert recorder.diverged_at is None
+    assert recorder.events == log
+
+
+def test_a_context_summary_the_log_holds_is_matched_like_any_record() -> None:
+    log = [
+        logged(1, EventType.ITERATION_COMPLETED, step=1, decision="summarize"),
+        logged(2, EventType.ITERATION_COMPLETED, step=2, decision="think"),
+    ]
+    recorder = catching_up(log)
+
+    assert recorder.record(EventType.ITERATION_COMPLETED, summary(1)) is log[0]
+    assert (
+        recorder.record(EventType.ITERATION_COMPLETED, {"step": 2, "decision": "think"}) is (log[1])
+    )
+    assert recorder.events == log
+    assert recorder.diverged_at is None
+
+
+def test_an_iteration_record_that_differs_from_the_log_diverges_instead_of_being_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = [logged(1, EventType.ITERATION_COMPLETED, step=1, decision="think")]
+    recorder = catching_up(log)
+
+    with caplog.at_level(logging.WARNING, logger="fsm_kernel.recorder"):
+        live = recorder.record(EventType.ITERATION_COMPLETED, {"step": 2, "decision": "think"})
+
+    assert live is not None
+    assert (live.seq, live.type, live.data) == (
+        2,
+        EventType.ITERATION_COMPLETED,
+        {"step": 2, "decision": "think"},
+    )
+    assert recorder.diverged_at is log[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume diverged from the log at seq 1 (iteration.completed); recording live from here"
+    ]
+
+
+def test_a_resume_that_diverges_records_live_from_there_after_the_events_it_matched(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = [
+        logged(1, EventType.STATE_ENTERED),
+        logged(2, EventType.TRANSITION_TAKEN, source="a", target="b", index=0),
+        logged(3, EventType.STATE_ENTERED),
+    ]
+    store = NotingStore()
+    recorder = catching_up(log, store)
+
+    with caplog.at_level(logging.WARNING, logger="fsm_kernel.recorder"):
+        assert recorder.record(EventType.STATE_ENTERED, {}) is log[0]
+        assert recorder.catching_up
+        edited = {"source": "a", "target": "c", "index": 0}  # the workflow was edited
+        taken = recorder.record(EventType.TRANSITION_TAKEN, edited)
+        entered = recorder.record(EventType.STATE_ENTERED, {})
+
+    assert recorder.diverged_at is log[1]
+    assert not recorder.catching_up
+    assert taken is not None
+    assert entered is not None
+    assert [(e.seq, e.type, e.data) for e in (taken, entered)] == [
+        (4, EventType.TRANSITION_TAKEN, edited),
+        (5, EventType.STATE_ENTERED, {}),
+    ]
+    assert recorder.events == [log[0], taken, entered]
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume diverged from the log at seq 2 (transition.taken); recording live from here"
+    ]
+
+    asyncio.run(recorder.flush())
+    assert store.written == [([4, 5], False)]  # only what was recorded live is written
+
+
+def test_calling_the_recorder_records_the_event() -> None:
+    """Actions record through `recorder(type, data)`."""
+    recorder = RunRecorder("r", None, clock=FixedClock(), next_seq=7)
+    recorder.state = "work"
+    recorder.iteration = 3
+
+    recorder(EventType.TOOL_STARTED, {"call": "c1", "name": "search"})
+
+    [event] = recorder.events
+    assert event == Event(
+        run_id="r",
+        seq=7,
+        type=EventType.TOOL_STARTED,
+        timestamp=T0,
+        iteration=3,
+        state="work",
+        data={"call": "c1", "name": "search"},
+    )
+
+
+def test_sync_commits_even_a_bookkeeping_batch_durably() -> None:
+    """`sync()` is a durable flush, whatever the batch holds (before a side effect)."""
+    store = NotingStore()
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.sync()
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+
+    asyncio.run(main())
+    assert store.written == [([1], True), ([2], False)]

@@ -1,0 +1,295 @@
+"""Worker behaviours that mutation testing found unpinned: what `start()` opens and waits for
+(once), the warning when the listener is not up in time, the poll interval an idle worker
+waits (its own or the config's), and a listener that keeps relaying wake-ups after a cancel
+request for a run the worker does not hold. A real SQLite queue, scripted runners."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_kernel.errors import StoreError
+from fsm_kernel.scheduler import DispatchDetail, ExecutionStatus, QueueSignal, Worker
+from fsm_kernel.scheduler.queue import SqliteDispatchQueue
+from tests.unit.test_scheduler_fakes import FakeClock, ScriptedRunner, make_config, wait_until
+
+
+class HeldSleep:
+    """The worker's injected sleep: notes each delay and returns only when released (the test
+    decides when an idle worker looks again)."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self.released = asyncio.Event()
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        await self.released.wait()
+
+
+class Listener:
+    """A listener fed by the test: `get` returns what the test puts in `signals`. Notes
+    whether it was entered and left."""
+
+    def __init__(self) -> None:
+        self.signals: asyncio.Queue[QueueSignal] = asyncio.Queue()
+        self.entered = 0
+        self.exited = 0
+
+    async def __aenter__(self) -> Listener:
+        self.entered += 1
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.exited += 1
+
+    async def get(self) -> QueueSignal:
+        return await self.signals.get()
+
+
+class NotingQueue(SqliteDispatchQueue):
+    """The SQLite queue, noting its connects and claims, with the test's listener if any
+    (as PostgreSQL's NOTIFY would feed one); `refuse_connects` connects that fail."""
+
+    def __init__(self, *args: Any, listener: Listener | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.the_listener = listener
+        self.listeners_made = 0
+        self.connects = 0
+        self.claims = 0
+        self.refuse_connects = 0
+
+    def listener(self, kernel_id: str) -> Any:
+        if self.the_listener is None:
+            return None
+        self.listeners_made += 1
+        return self.the_listener
+
+    async def connect_async(self) -> None:
+        self.connects += 1
+        if self.refuse_connects:
+            self.refuse_connects -= 1
+            raise StoreError("connection refused")
+        await super().connect_async()
+
+    async def complete_and_claim_async(self, *args: Any, **kwargs: Any) -> Any:
+        self.claims += 1
+        return await super().complete_and_claim_async(*args, **kwargs)
+
+
+def open_noting_queue(tmp_path: Path, listener: Listener | None = None) -> NotingQueue:
+    queue = NotingQueue(tmp_path / "runs.db", clock=FakeClock(), listener=listener)
+    queue.ensure_schema()
+    return queue
+
+
+def make_worker(
+    tmp_path: Path,
+    queue: NotingQueue,
+    results: list[DispatchDetail],
+    *,
+    sleep: Any = asyncio.sleep,
+    poll_seconds: float | None = 0.01,
+    config_poll: float = 1.0,
+) -> Worker:
+    return Worker(
+        make_config(tmp_path, ["a", "b"], poll_seconds=config_poll),
+        queue,
+        ScriptedRunner(),  # type: ignore[arg-type]  # a fake runner
+        worker_id="w1",
+        poll_seconds=poll_seconds,
+        sleep=sleep,
+        on_result=results.append,
+    )
+
+
+def test_start_connects_and_waits_until_the_listener_listens_once(tmp_path: Path) -> None:
+    listener = Listener()
+    queue = open_noting_queue(tmp_path, listener)
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, results)
+
+    async def scenario() -> None:
+        async def listening_soon() -> None:
+            await asyncio.sleep(0.02)
+            listener.signals.put_nowait(QueueSignal("reconnected", "k1"))
+
+        announcing = asyncio.create_task(listening_soon())
+        await worker.start()
+        assert worker.listening.is_set()  # returned only once listening
+        assert (queue.connects, queue.listeners_made, listener.entered) == (1, 1, 1)
+        assert queue.claims == 0  # nothing claimed before run()
+        await worker.start()  # again: nothing more
+        assert (queue.connects, queue.listeners_made) == (1, 1)
+        await announcing
+
+        task = asyncio.create_task(worker.run())
+        assert queue.enqueue("k1", "a", "task", 0, "a1") is not None
+        listener.signals.put_nowait(QueueSignal("enqueued", "k1"))
+        await wait_until(lambda: len(results) == 1, what="the dispatch")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+        # run() went on with the listener start() opened, and closed it when it stopped
+        assert (queue.connects, queue.listeners_made, listener.entered, listener.exited) == (
+            1,
+            1,
+            1,
+            1,
+        )
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+def test_start_warns_when_not_listening_in_time_and_the_worker_polls_meanwhile(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener = Listener()  # never says it listens
+    queue = open_noting_queue(tmp_path, listener)
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, results)
+
+    async def scenario() -> None:
+        with caplog.at_level(logging.WARNING, logger="fsm_kernel.scheduler.worker"):
+            await worker.start(listen_timeout=0.05)
+        assert not worker.listening.is_set()
+        assert queue.enqueue("k1", "a", "task", 0, "a1") is not None  # no signal: polled
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 1, what="the polled dispatch")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker w1: not listening for wake-ups after 0.05s; polling meanwhile"
+    ]
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+def test_start_waits_five_seconds_for_the_listener_by_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = open_noting_queue(tmp_path, Listener())
+    worker = make_worker(tmp_path, queue, [])
+    waited: list[tuple[bool, float]] = []
+
+    async def times_out(awaitable: Any, delay: float) -> None:  # asyncio.wait_for's place
+        waited.append((inspect.iscoroutine(awaitable), delay))
+        awaitable.close()
+        raise TimeoutError
+
+    async def scenario() -> None:
+        with monkeypatch.context() as patch:
+            patch.setattr(asyncio, "wait_for", times_out)
+            with caplog.at_level(logging.WARNING, logger="fsm_kernel.scheduler.worker"):
+                await worker.start()
+        worker.stop()
+        await asyncio.wait_for(worker.run(), 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert waited == [(True, 5.0)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker w1: not listening for wake-ups after 5s; polling meanwhile"
+    ]
+
+
+def test_start_that_cannot_connect_raises_and_the_next_start_connects_again(
+    tmp_path: Path,
+) -> None:
+    queue = open_noting_queue(tmp_path)
+    queue.refuse_connects = 1
+    worker = make_worker(tmp_path, queue, [])
+
+    async def scenario() -> None:
+        with pytest.raises(StoreError, match=r"^connection refused$"):
+            await worker.start()
+        await worker.start()
+        await worker.start()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert (queue.connects, queue.claims) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("poll_seconds", "config_poll", "waited"),
+    [(0.25, 7.0, 0.25), (None, 7.0, 7.0)],
+    ids=["its-own", "the-configs"],
+)
+def test_an_idle_worker_waits_its_poll_interval_between_claims(
+    tmp_path: Path, poll_seconds: float | None, config_poll: float, waited: float
+) -> None:
+    queue = open_noting_queue(tmp_path)
+    results: list[DispatchDetail] = []
+
+    async def scenario() -> None:
+        sleep = HeldSleep()
+        worker = make_worker(
+            tmp_path,
+            queue,
+            results,
+            sleep=sleep,
+            poll_seconds=poll_seconds,
+            config_poll=config_poll,
+        )
+        assert worker.poll_seconds == waited
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: bool(sleep.delays), what="the idle wait")
+        await asyncio.sleep(0.05)
+        assert (sleep.delays, queue.claims) == ([waited], 1)  # one look, then the wait
+        assert queue.enqueue("k1", "a", "task", 0, "a1") is not None
+        sleep.released.set()  # the interval passed: it looks again
+        await wait_until(lambda: len(results) == 1, what="the dispatch after the wait")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+def test_a_cancel_request_for_another_run_leaves_the_listener_relaying_wake_ups(
+    tmp_path: Path,
+) -> None:
+    listener = Listener()
+    queue = open_noting_queue(tmp_path, listener)
+    results: list[DispatchDetail] = []
+
+    async def scenario() -> None:
+        sleep = HeldSleep()  # never released: only a signal wakes the idle worker
+        worker = make_worker(tmp_path, queue, results, sleep=sleep, poll_seconds=60.0)
+        listener.signals.put_nowait(QueueSignal("reconnected", "k1"))
+        await worker.start()
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: bool(sleep.delays), what="the idle wait")
+        listener.signals.put_nowait(QueueSignal("cancel", "k1", "not-running-here"))
+        await asyncio.sleep(0.02)
+        assert queue.enqueue("k1", "a", "task", 0, "a1") is not None
+        listener.signals.put_nowait(QueueSignal("enqueued", "k1"))
+        await wait_until(lambda: len(results) == 1, what="the dispatch the signal announced")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
