@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 
 from fsm_kernel.errors import StoreError
-from fsm_kernel.scheduler import DispatchDetail, ExecutionStatus, QueueSignal, Worker
+from fsm_kernel.scheduler import (
+    DispatchDetail,
+    DispatchStatus,
+    ExecutionStatus,
+    QueueSignal,
+    Worker,
+)
 from fsm_kernel.scheduler.queue import SqliteDispatchQueue
 from tests.unit.test_scheduler_fakes import FakeClock, ScriptedRunner, make_config, wait_until
 
@@ -96,11 +102,12 @@ def make_worker(
     sleep: Any = asyncio.sleep,
     poll_seconds: float | None = 0.01,
     config_poll: float = 1.0,
+    runner: ScriptedRunner | None = None,
 ) -> Worker:
     return Worker(
         make_config(tmp_path, ["a", "b"], poll_seconds=config_poll),
         queue,
-        ScriptedRunner(),  # type: ignore[arg-type]  # a fake runner
+        runner or ScriptedRunner(),  # type: ignore[arg-type]  # a fake runner
         worker_id="w1",
         poll_seconds=poll_seconds,
         sleep=sleep,
@@ -293,3 +300,124 @@ def test_a_cancel_request_for_another_run_leaves_the_listener_relaying_wake_ups(
     finally:
         queue.close()
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
+
+
+class CountingListenerQueue(NotingQueue):
+    """Notes the kernel id each listener was asked for, and the outcomes each claim carried."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.listened_for: list[str] = []
+        self.carried: list[list[str]] = []
+
+    def listener(self, kernel_id: str) -> Any:
+        self.listened_for.append(kernel_id)
+        return super().listener(kernel_id)
+
+    async def complete_and_claim_async(self, completions: Any, *args: Any, **kwargs: Any) -> Any:
+        self.carried.append([c.dispatch_id for c in completions])
+        return await super().complete_and_claim_async(completions, *args, **kwargs)
+
+
+def test_the_listener_is_the_workers_kernels_and_closed_when_run_returns_which_logs_both(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener = Listener()
+    queue = CountingListenerQueue(tmp_path / "runs.db", clock=FakeClock(), listener=listener)
+    queue.ensure_schema()
+    worker = make_worker(tmp_path, queue, [])
+
+    async def scenario() -> None:
+        listener.signals.put_nowait(QueueSignal("reconnected", "k1"))
+        await worker.start()
+        assert (listener.entered, listener.exited) == (1, 0)
+        worker.stop()
+        await worker.run()
+        assert listener.exited == 1  # closed before run() returned
+
+    with caplog.at_level(logging.INFO, logger="fsm_kernel.scheduler.worker"):
+        try:
+            asyncio.run(scenario())
+        finally:
+            queue.close()
+    assert queue.listened_for == ["k1"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker w1 started (kernel k1)",
+        "worker w1 stopped",
+    ]
+
+
+def test_a_busy_worker_claims_no_more_than_its_free_slots_and_waits_for_a_run_to_end(
+    tmp_path: Path,
+) -> None:
+    """Every slot taken: no claim and no poll until a run ends; then one claim for the freed
+    slot. The fleet's cap (3) allows more than this worker's concurrency (2)."""
+    queue = CountingListenerQueue(tmp_path / "runs.db", clock=FakeClock())
+    queue.ensure_schema()
+    for agent in "abc":
+        assert queue.enqueue("k1", agent, "task", 0, f"key-{agent}") is not None
+    runner = ScriptedRunner({"a": "block", "b": "block", "c": "block"})
+    results: list[DispatchDetail] = []
+
+    async def scenario() -> None:
+        sleep = HeldSleep()
+        worker = Worker(
+            make_config(tmp_path, ["a", "b", "c"], max_concurrent=3),
+            queue,
+            runner,  # type: ignore[arg-type]  # a fake runner
+            worker_id="w1",
+            concurrency=2,
+            poll_seconds=60.0,
+            sleep=sleep,
+            on_result=results.append,
+        )
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: runner.active == 2, what="two runs")
+        await asyncio.sleep(0.05)
+        assert (runner.active, queue.claims, sleep.delays) == (2, 1, [])  # busy: waits
+        runner.release.set()  # both end; the third is claimed into a freed slot
+        await wait_until(lambda: len(results) == 3, what="all three dispatches")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert runner.peak == 2
+    assert sorted(d.agent_id for d in results) == ["a", "b", "c"]
+
+
+def test_a_runs_outcome_is_recorded_by_the_workers_next_claim(tmp_path: Path) -> None:
+    """While the worker claims, each claim records the outcomes that ended before it (one
+    statement); the outcome of a run that ends as the worker stops is recorded on its own."""
+    queue = CountingListenerQueue(tmp_path / "runs.db", clock=FakeClock())
+    queue.ensure_schema()
+    first = queue.enqueue("k1", "a", "task", 0, "key-a")
+    assert first is not None
+    runner = ScriptedRunner({"b": "block"})
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, results, runner=runner)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 1, what="the first dispatch")
+        await wait_until(lambda: [first.dispatch_id] in queue.carried, what="its outcome")
+        second = queue.enqueue("k1", "b", "task", 0, "key-b")
+        assert second is not None
+        await wait_until(lambda: runner.active == 1, what="the second run")
+        worker.stop()
+        runner.release.set()
+        await asyncio.wait_for(task, 5)
+        assert second.dispatch_id not in {d for c in queue.carried for d in c}
+        statuses = {d.dispatch_id: d.status for d in queue.list("k1")}
+        assert statuses == {
+            first.dispatch_id: DispatchStatus.DONE,
+            second.dispatch_id: DispatchStatus.DONE,
+        }
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [d.status for d in results] == [ExecutionStatus.DONE] * 2
