@@ -421,3 +421,122 @@ def test_a_runs_outcome_is_recorded_by_the_workers_next_claim(tmp_path: Path) ->
     finally:
         queue.close()
     assert [d.status for d in results] == [ExecutionStatus.DONE] * 2
+
+
+class FailingClaimQueue(CountingListenerQueue):
+    """A claim that carries an outcome fails once with a StoreError (nothing recorded)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed = 0
+
+    async def complete_and_claim_async(self, completions: Any, *args: Any, **kwargs: Any) -> Any:
+        if completions and not self.failed:
+            self.failed += 1
+            self.carried.append([c.dispatch_id for c in completions])
+            raise StoreError("connection reset")
+        return await super().complete_and_claim_async(completions, *args, **kwargs)
+
+
+def test_an_outcome_whose_claim_failed_is_recorded_on_its_own_and_the_failure_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = FailingClaimQueue(tmp_path / "runs.db", clock=FakeClock())
+    queue.ensure_schema()
+    dispatch = queue.enqueue("k1", "a", "task", 0, "key-a")
+    assert dispatch is not None
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, results)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 1, what="the outcome, recorded")
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.WARNING, logger="fsm_kernel.scheduler.worker"):
+        try:
+            asyncio.run(scenario())
+            statuses = [d.status for d in queue.list("k1")]
+        finally:
+            queue.close()
+    assert queue.failed == 1
+    assert [dispatch.dispatch_id] in queue.carried
+    assert [d.status for d in results] == [ExecutionStatus.DONE]
+    assert statuses == [DispatchStatus.DONE]
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker w1: claim failed, retrying: connection reset"
+    ]
+
+
+def test_a_dispatch_for_an_agent_the_config_lacks_fails_and_frees_its_slot(
+    tmp_path: Path,
+) -> None:
+    queue = open_noting_queue(tmp_path)
+    unknown = queue.enqueue("k1", "gone", "task", 5, "key-gone")  # claimed first
+    assert unknown is not None
+    assert queue.enqueue("k1", "a", "task", 0, "key-a") is not None
+    results: list[DispatchDetail] = []
+
+    async def scenario() -> None:
+        worker = Worker(
+            make_config(tmp_path, ["a"]),
+            queue,
+            ScriptedRunner(),  # type: ignore[arg-type]  # a fake runner
+            worker_id="w1",
+            concurrency=1,
+            poll_seconds=0.01,
+            on_result=results.append,
+        )
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: len(results) == 2, what="both dispatches, one after the other")
+        await asyncio.sleep(0.02)
+        assert not worker._in_flight  # nothing kept of the dispatches that ended
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [(d.agent_id, d.status) for d in results] == [
+        ("gone", ExecutionStatus.FAILED),
+        ("a", ExecutionStatus.DONE),
+    ]
+
+
+class StallingClaimQueue(CountingListenerQueue):
+    """A claim that carries an outcome never returns (a statement stuck in the store)."""
+
+    async def complete_and_claim_async(self, completions: Any, *args: Any, **kwargs: Any) -> Any:
+        if completions:
+            self.carried.append([c.dispatch_id for c in completions])
+            await asyncio.Event().wait()
+        return await super().complete_and_claim_async(completions, *args, **kwargs)
+
+
+def test_an_outcome_carried_by_a_claim_cut_short_by_cancelling_the_worker_is_still_recorded(
+    tmp_path: Path,
+) -> None:
+    queue = StallingClaimQueue(tmp_path / "runs.db", clock=FakeClock())
+    queue.ensure_schema()
+    dispatch = queue.enqueue("k1", "a", "task", 0, "key-a")
+    assert dispatch is not None
+    worker = make_worker(tmp_path, queue, [])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(worker.run())
+        await wait_until(lambda: bool(queue.carried), what="the claim carrying the outcome")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(
+            lambda: queue.list("k1")[0].status is DispatchStatus.DONE,
+            what="the outcome, recorded on its own",
+        )
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        queue.close()
+    assert [c for c in queue.carried if c] == [[dispatch.dispatch_id]]
