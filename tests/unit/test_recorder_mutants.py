@@ -9,12 +9,14 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.recorder import RunRecorder
+from fsm_kernel.store import SqliteEventStore
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -174,3 +176,50 @@ def test_sync_commits_even_a_bookkeeping_batch_durably() -> None:
 
     asyncio.run(main())
     assert store.written == [([1], True), ([2], False)]
+
+
+def test_a_wrapper_that_intercepts_the_stores_appends_sees_every_batch(tmp_path: Path) -> None:
+    """An append replaced on the store object (a wrapper noting what is written, say) is
+    not bypassed by the store's own idle append: every batch goes through it."""
+    store = SqliteEventStore(tmp_path / "runs.db")
+    seen: list[tuple[list[int], bool]] = []
+    real = store.append
+
+    def noting(events: Sequence[Event], *, durable: bool = True) -> None:
+        seen.append(([e.seq for e in events], durable))
+        real(events, durable=durable)
+
+    store.append = noting  # type: ignore[method-assign]
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+        recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
+        await recorder.flush()
+
+    asyncio.run(main())
+    assert seen == [([1], False), ([2], True)]
+    assert [e.seq for e in store.read("r")] == [1, 2]
+    store.close()
+
+
+def test_an_idle_append_that_is_not_the_stores_own_method_is_not_used(tmp_path: Path) -> None:
+    store = SqliteEventStore(tmp_path / "runs.db")
+    offered: list[int] = []
+
+    def foreign_idle_append(events: Sequence[Event], *, durable: bool = False) -> bool:
+        offered.append(len(events))
+        return False
+
+    store.append_if_idle = foreign_idle_append  # type: ignore[method-assign]
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+
+    asyncio.run(main())
+    assert offered == []
+    assert [e.seq for e in store.read("r")] == [1]
+    store.close()
