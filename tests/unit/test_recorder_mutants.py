@@ -6,6 +6,7 @@ resume diverges from the log and what it records from there, and the shorthands 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import fsm_kernel.recorder as recorder_module
 from fsm_kernel.protocol import Event, EventType
 from fsm_kernel.recorder import RunRecorder
 from fsm_kernel.store import SqliteEventStore
@@ -223,3 +225,37 @@ def test_an_idle_append_that_is_not_the_stores_own_method_is_not_used(tmp_path: 
     assert offered == []
     assert [e.seq for e in store.read("r")] == [1]
     store.close()
+
+
+def event_of(run_id: str) -> Event:
+    return Event(run_id=run_id, seq=1, type=EventType.STATE_ENTERED, timestamp=T0)
+
+
+def test_a_batch_whose_waiter_is_gone_leaves_the_batches_written_with_it_settled(
+    tmp_path: Path,
+) -> None:
+    store = SqliteEventStore(tmp_path / "runs.db")
+
+    async def main() -> tuple[bool, list[BaseException | None]]:
+        writer = recorder_module._Writer.of(store, asyncio.get_running_loop())
+        first = writer.submit([event_of("a")], True)  # starts at once, alone
+        gone, last = (writer.submit([event_of(r)], False) for r in "bc")  # together, next
+        gone.cancel()  # its waiter went away while they waited
+        outcomes = await asyncio.wait_for(asyncio.gather(first, last, return_exceptions=True), 5)
+        return gone.cancelled(), list(outcomes)
+
+    gone_cancelled, outcomes = asyncio.run(main())
+    assert gone_cancelled
+    assert outcomes == [None, None]
+    assert [len(store.read(r)) for r in "abc"] == [1, 1, 1]  # written all the same
+    store.close()
+
+
+def test_a_writer_whose_store_was_collected_says_so() -> None:
+    store = NotingStore()
+    writer = recorder_module._Writer(store)  # type: ignore[arg-type]
+    del store
+    gc.collect()
+    with pytest.raises(RuntimeError) as caught:
+        writer._write_all([])
+    assert str(caught.value) == "the event store was garbage-collected while runs wrote to it"
