@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import types
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -259,3 +260,57 @@ def test_a_writer_whose_store_was_collected_says_so() -> None:
     with pytest.raises(RuntimeError) as caught:
         writer._write_all([])
     assert str(caught.value) == "the event store was garbage-collected while runs wrote to it"
+
+
+def test_whether_a_store_takes_durable_is_worked_out_once_per_method() -> None:
+    """Every run's recorder asks; the answer for a store class's method is kept, not worked
+    out again for each recorder (hundreds of runs started together ask it on the loop)."""
+    recorder_module._has_durable_keyword_cached.cache_clear()
+    for _ in range(3):
+        assert recorder_module._takes_durable(NotingStore()) is True
+    info = recorder_module._has_durable_keyword_cached.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_a_store_method_whose_function_cannot_be_kept_is_still_asked() -> None:
+    """A method made of an unhashable callable object: asked each time, not kept."""
+
+    class KeywordDurable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, store: object, events: Sequence[Event], *, durable: bool = True) -> None:
+            return None
+
+    class PositionalDurable(KeywordDurable):
+        def __call__(self, store: object, events: Sequence[Event], durable: bool = True) -> None:
+            return None
+
+    keyword, positional = NotingStore(), NotingStore()
+    keyword.append = types.MethodType(KeywordDurable(), keyword)  # type: ignore[method-assign]
+    positional.append = types.MethodType(PositionalDurable(), positional)  # type: ignore[method-assign]
+
+    assert recorder_module._takes_durable(keyword) is True
+    assert recorder_module._takes_durable(positional) is False
+
+
+def test_a_recorder_moved_to_another_event_loop_writes_through_that_loops_writer(
+    tmp_path: Path,
+) -> None:
+    """Runs that share a store on one event loop share its writer (their batches go
+    together); a recorder flushed in a later loop joins that loop's writer."""
+    store = SqliteEventStore(tmp_path / "runs.db")
+    recorder = RunRecorder("r", store)
+
+    async def flush_one() -> tuple[object, object]:
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+        assert recorder._writer_of is not None
+        return recorder._writer_of[1], recorder_module._Writer.of(store, asyncio.get_running_loop())
+
+    first, first_loops = asyncio.run(flush_one())
+    second, second_loops = asyncio.run(flush_one())
+    assert first is first_loops
+    assert second is second_loops
+    assert second is not first
+    assert [e.seq for e in store.read("r")] == [1, 2]
+    store.close()
