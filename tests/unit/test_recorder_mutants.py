@@ -267,7 +267,7 @@ def test_whether_a_store_takes_durable_is_worked_out_once_per_method() -> None:
     out again for each recorder (hundreds of runs started together ask it on the loop)."""
     recorder_module._has_durable_keyword_cached.cache_clear()
     for _ in range(3):
-        assert recorder_module._takes_durable(NotingStore()) is True
+        assert recorder_module._takes_durable(NotingStore()) is True  # type: ignore[arg-type]
     info = recorder_module._has_durable_keyword_cached.cache_info()
     assert (info.misses, info.hits) == (1, 2)
 
@@ -289,8 +289,8 @@ def test_a_store_method_whose_function_cannot_be_kept_is_still_asked() -> None:
     keyword.append = types.MethodType(KeywordDurable(), keyword)  # type: ignore[method-assign]
     positional.append = types.MethodType(PositionalDurable(), positional)  # type: ignore[method-assign]
 
-    assert recorder_module._takes_durable(keyword) is True
-    assert recorder_module._takes_durable(positional) is False
+    assert recorder_module._takes_durable(keyword) is True  # type: ignore[arg-type]
+    assert recorder_module._takes_durable(positional) is False  # type: ignore[arg-type]
 
 
 def test_a_recorder_moved_to_another_event_loop_writes_through_that_loops_writer(
@@ -314,3 +314,95 @@ def test_a_recorder_moved_to_another_event_loop_writes_through_that_loops_writer
     assert second is not first
     assert [e.seq for e in store.read("r")] == [1, 2]
     store.close()
+
+
+class DelegatingStore:
+    """A wrapper around a SQLite store that notes the batches its `append` writes and hands
+    everything else to the store (its `append_batches` included, as a generic wrapper does)."""
+
+    def __init__(self, inner: SqliteEventStore) -> None:
+        self.inner = inner
+        self.written: list[str] = []
+
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        self.written.extend(e.run_id for e in events)
+        self.inner.append(events, durable=durable)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def three_runs_writing(store: Any) -> list[BaseException | None]:
+    """Three runs' batches on one writer: the first alone, the other two together."""
+    writer = recorder_module._Writer.of(store, asyncio.get_running_loop())
+    first = writer.submit([event_of("a")], True)
+    later = [writer.submit([event_of(r)], r == "b") for r in "bc"]
+    return list(await asyncio.gather(first, *later, return_exceptions=True))
+
+
+def test_a_wrapping_store_sees_every_batch_even_those_written_together(tmp_path: Path) -> None:
+    inner = SqliteEventStore(tmp_path / "runs.db")
+    store = DelegatingStore(inner)
+
+    assert asyncio.run(three_runs_writing(store)) == [None, None, None]
+    assert store.written == ["a", "b", "c"]  # not past it, through the inner append_batches
+    inner.close()
+
+
+def test_a_store_whose_append_is_a_plain_function_gets_batches_written_together(
+    tmp_path: Path,
+) -> None:
+    inner = SqliteEventStore(tmp_path / "runs.db")
+    written: list[str] = []
+
+    def append(events: Sequence[Event], *, durable: bool = True) -> None:
+        written.extend(e.run_id for e in events)
+        inner.append(events, durable=durable)
+
+    class Bare:
+        """A store object whose append is the function above; no append_batches at all."""
+
+    store = Bare()
+    store.append = append  # type: ignore[attr-defined]
+
+    assert asyncio.run(three_runs_writing(store)) == [None, None, None]
+    assert written == ["a", "b", "c"]
+    assert [len(inner.read(r)) for r in "abc"] == [1, 1, 1]
+    inner.close()
+
+
+class SlottedStore:
+    """A store that cannot be weakly referenced (`__slots__` without `__weakref__`)."""
+
+    __slots__ = ("written",)
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, list[int], bool]] = []
+
+    def append(self, events: Sequence[Event], *, durable: bool = True) -> None:
+        self.written.append((events[0].run_id, [e.seq for e in events], durable))
+
+
+def test_runs_record_to_a_store_that_cannot_be_weakly_referenced() -> None:
+    """Such a store's writer is not shared (there is no weak key to share it by), and the
+    runs write to it all the same: each batch in order, with its durability."""
+    store = SlottedStore()
+
+    async def run(run_id: str) -> None:
+        recorder = RunRecorder(run_id, store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush()
+        recorder.record(EventType.MODEL_REQUESTED, {"messages": 1})
+        await recorder.flush()
+
+    async def main() -> None:
+        await asyncio.gather(run("a"), run("b"))
+
+    asyncio.run(main())
+    assert sorted(store.written) == [
+        ("a", [1], False),
+        ("a", [2], True),
+        ("b", [1], False),
+        ("b", [2], True),
+    ]
+    assert [w[1] for w in store.written if w[0] == "a"] == [[1], [2]]
