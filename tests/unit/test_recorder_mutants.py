@@ -406,3 +406,15 @@ def test_runs_record_to_a_store_that_cannot_be_weakly_referenced() -> None:
         ("b", [2], True),
     ]
     assert [w[1] for w in store.written if w[0] == "a"] == [[1], [2]]
+
+
+def test_a_new_recorder_stamps_its_events_with_iteration_zero_and_no_state() -> None:
+    """What a run records before its first step (run.started, say) belongs to no state."""
+    recorder = RunRecorder("r", None, clock=FixedClock())
+
+    event = recorder.record(EventType.RUN_STARTED, {})
+
+    assert event is not None
+    assert (event.seq, event.iteration, event.state) == (1, 0, None)
+    assert recorder.diverged_at is None
+    assert not recorder.catching_up
