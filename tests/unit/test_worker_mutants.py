@@ -526,7 +526,7 @@ def test_an_outcome_carried_by_a_claim_cut_short_by_cancelling_the_worker_is_sti
 
     async def scenario() -> None:
         task = asyncio.create_task(worker.run())
-        await wait_until(lambda: bool(queue.carried), what="the claim carrying the outcome")
+        await wait_until(lambda: any(queue.carried), what="the claim carrying the outcome")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -540,3 +540,40 @@ def test_an_outcome_carried_by_a_claim_cut_short_by_cancelling_the_worker_is_sti
     finally:
         queue.close()
     assert [c for c in queue.carried if c] == [[dispatch.dispatch_id]]
+
+
+class AbandoningQueue(CountingListenerQueue):
+    """Asks the worker to stop and abandon its work as soon as a claim returns dispatches,
+    before their runs could start."""
+
+    worker: Worker | None = None
+
+    async def complete_and_claim_async(self, *args: Any, **kwargs: Any) -> Any:
+        results, claimed = await super().complete_and_claim_async(*args, **kwargs)
+        if claimed and self.worker is not None:
+            asyncio.get_running_loop().call_soon(lambda: self.worker.stop(abandon=True))  # type: ignore[union-attr]
+        return results, claimed
+
+
+def test_dispatches_claimed_as_the_worker_abandons_its_work_are_left_unrun(
+    tmp_path: Path,
+) -> None:
+    queue = AbandoningQueue(tmp_path / "runs.db", clock=FakeClock())
+    queue.ensure_schema()
+    assert queue.enqueue("k1", "a", "task", 0, "key-a") is not None
+    runner = ScriptedRunner()
+    results: list[DispatchDetail] = []
+    worker = make_worker(tmp_path, queue, results, runner=runner)
+    queue.worker = worker
+
+    async def scenario() -> None:
+        await asyncio.wait_for(worker.run(), 5)
+
+    try:
+        asyncio.run(scenario())
+        statuses = [d.status for d in queue.list("k1")]
+    finally:
+        queue.close()
+    assert runner.calls == []
+    assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.ABANDONED)]
+    assert statuses == [DispatchStatus.RUNNING]  # left for its lease to expire
