@@ -418,3 +418,43 @@ def test_a_new_recorder_stamps_its_events_with_iteration_zero_and_no_state() -> 
     assert (event.seq, event.iteration, event.state) == (1, 0, None)
     assert recorder.diverged_at is None
     assert not recorder.catching_up
+
+
+def test_a_store_whose_append_cannot_be_inspected_gets_every_batch_without_durable() -> None:
+    """Whether such an append takes `durable=` is unknown: it is never passed (the store
+    syncs every batch, as stores without the option do)."""
+
+    class Uninspectable:
+        __signature__ = "not a signature"  # inspect.signature raises TypeError
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[list[int], dict[str, Any]]] = []
+
+        def __call__(self, events: Sequence[Event], **options: Any) -> None:
+            self.calls.append(([e.seq for e in events], options))
+
+    append = Uninspectable()
+    store = NotingStore()
+    store.append = append  # type: ignore[method-assign]
+
+    async def main() -> None:
+        recorder = RunRecorder("r", store)  # type: ignore[arg-type]
+        recorder.record(EventType.STATE_ENTERED, {})
+        await recorder.flush(durable=False)
+
+    asyncio.run(main())
+    assert append.calls == [([1], {})]
+
+
+def test_each_event_recorded_is_logged_at_debug_level(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = RunRecorder("r", None, clock=FixedClock())
+
+    with caplog.at_level(logging.DEBUG, logger="fsm_kernel.recorder"):
+        recorder.record(EventType.RUN_STARTED, {})
+        recorder.state = "work"
+        recorder.record(EventType.STATE_ENTERED, {})
+
+    assert [r.getMessage() for r in caplog.records] == [
+        "event 1 run.started ",
+        "event 2 state.entered work",
+    ]
