@@ -458,3 +458,44 @@ def test_each_event_recorded_is_logged_at_debug_level(caplog: pytest.LogCaptureF
         "event 1 run.started ",
         "event 2 state.entered work",
     ]
+
+
+def test_a_store_answering_for_fewer_batches_than_it_was_given_is_reported(
+    tmp_path: Path,
+) -> None:
+    """`append_batches` owes one outcome per batch; a store that breaks that is an error the
+    event loop reports, not silence."""
+
+    class Short(SqliteEventStore):
+        def append_batches(
+            self, batches: Sequence[tuple[Sequence[Event], bool]]
+        ) -> list[Exception | None]:
+            return super().append_batches(batches)[:-1]
+
+    store = Short(tmp_path / "runs.db")
+
+    async def main() -> list[BaseException | None]:
+        loop = asyncio.get_running_loop()
+        reported: list[BaseException | None] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context.get("exception")))
+        writer = recorder_module._Writer.of(store, loop)
+        first = writer.submit([event_of("a")], True)  # starts at once, alone
+        together = [writer.submit([event_of(r)], True) for r in "bc"]  # go together, next
+        await first
+        await wait_for_the_writer(writer)
+        assert together[0].done()  # the outcome it did answer for
+        return reported
+
+    reported = asyncio.run(main())
+    assert len(reported) == 1
+    assert isinstance(reported[0], ValueError)
+    assert "shorter" in str(reported[0])
+    store.close()
+
+
+async def wait_for_the_writer(writer: Any) -> None:
+    for _ in range(500):
+        if not writer._busy:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the writer did not finish")
