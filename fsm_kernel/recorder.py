@@ -351,6 +351,11 @@ def _idle_sync(append_if_idle: Callable[..., bool] | None) -> Callable[[list[Eve
     return functools.partial(append_if_idle, durable=True)
 
 
+def _same_object(store: EventStore) -> EventStore:
+    """`store` itself: a writer's reference to a store that cannot be weakly referenced."""
+    return store
+
+
 _LONE_WINDOW = 0.05
 """Seconds since another run's last write after which a run counts as writing alone."""
 
@@ -370,7 +375,11 @@ class _Writer:
     """Per store, per event loop; a writer refers to neither, so both can be collected."""
 
     def __init__(self, store: EventStore) -> None:
-        self._store = weakref.ref(store)
+        self._store: Callable[[], EventStore | None]
+        try:
+            self._store = weakref.ref(store)
+        except TypeError:  # cannot be weakly referenced: this writer is its recorder's alone
+            self._store = functools.partial(_same_object, store)
         self._relaxable = _takes_durable(store)
         many = getattr(store, "append_batches", None)
         owned = getattr(many, "__self__", None) is getattr(store.append, "__self__", False)

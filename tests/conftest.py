@@ -38,9 +38,11 @@ def _built_afresh() -> None:
     also holds what the engine decided (CompiledWorkflow.decisions), which must not carry over
     from one test to the next; and a mutation tester that forks after a first pass must run
     the compiler and the statement builders it mutated, not what the first pass left."""
+    from fsm_kernel import recorder
     from fsm_kernel.store import _sql
     from fsm_kernel.workflow import compiler
 
     compiler._CACHE.clear()
+    recorder._has_durable_keyword_cached.cache_clear()  # which stores' append take durable=
     for dialect in (_sql.SQLITE, _sql.POSTGRES):
         dialect.__dict__.pop("sql", None)  # a cached_property: built again on first use
