@@ -102,9 +102,8 @@ class Worker:
         stops listening (its listener's connection closes)."""
         self._stop_requested.set()
         self._changed.set()
-        if self._pump_task is not None:  # start()ed, and run() has not taken it over
-            self._pump_task.cancel()
-            self._pump_task = None
+        if self._pump_task is not None:  # start()ed, and run() has not taken it over (run()
+            self._pump_task.cancel()  # still waits for it to end, should it come next)
         if abandon:
             self._abandon.set()
             self._executor.abandon_all()
