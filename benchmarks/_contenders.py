@@ -142,9 +142,14 @@ class Floor(Contender):
 
 
 class FsmKernel(Contender):
-    """fsm-kernel's Kernel driving the default workflow's shape, offering one `echo` tool."""
+    """fsm-kernel's Kernel driving the default workflow's shape, offering one `echo` tool.
+    With `tool_timeout=False` its registry has no timeout, so `echo` is called inline on the
+    event loop's thread, as the peers call it, instead of on a pool thread that enforces the
+    default 30 s (the `_inline` contenders)."""
 
-    def __init__(self, workdir: Path, store: str, pg_dsn: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, store: str, pg_dsn: str | None = None, *, tool_timeout: bool = True
+    ) -> None:
         super().__init__(workdir)
         from fsm_kernel.tools.registry import ToolRegistry
         from fsm_kernel.workflow.compiler import compile_workflow
@@ -152,11 +157,11 @@ class FsmKernel(Contender):
         from fsm_kernel.workflow.spec import Limits
 
         self.store_kind = store
-        self.name = f"fsm_{store}"
+        self.name = f"fsm_{store}" if tool_timeout else f"fsm_{store}_inline"
         self.durable = store != "memory"
         self.pg_dsn = pg_dsn
         self.compiled = compile_workflow(load_workflow(REPO / "workflows" / "default.yaml"))
-        self.registry = ToolRegistry()
+        self.registry = ToolRegistry() if tool_timeout else ToolRegistry(default_timeout=None)
         self.registry.register(echo)
         self.limits = Limits(max_iterations=0, max_transitions=10**9, timeout_seconds=0)
         # A plain loop, not asyncio.run/Runner: on Python 3.11 Runner.run ends with
@@ -562,6 +567,8 @@ CONTENDERS: dict[str, Callable[[Path, str | None], Contender]] = {
     "fsm_memory": lambda w, dsn: FsmKernel(w, "memory"),
     "fsm_sqlite": lambda w, dsn: FsmKernel(w, "sqlite"),
     "fsm_jsonl": lambda w, dsn: FsmKernel(w, "jsonl"),
+    "fsm_memory_inline": lambda w, dsn: FsmKernel(w, "memory", tool_timeout=False),
+    "fsm_sqlite_inline": lambda w, dsn: FsmKernel(w, "sqlite", tool_timeout=False),
     "fsm_postgres": lambda w, dsn: FsmKernel(w, "postgres", dsn),
     "langgraph_memory": lambda w, dsn: LangGraph(w, "memory", None),
     "langgraph_sqlite_async": lambda w, dsn: LangGraph(w, "sqlite", "async"),

@@ -15,7 +15,9 @@ Four parts (`--parts overhead,growth,concurrency,startup` picks some):
    bytes written per iteration (/proc/self/io: write_bytes, pages dirtied towards the disk,
    and wchar, bytes handed to write calls, including closing the store) and the store's size;
    medians of per-round ratios against the floor and each peer. Every run's final
-   conversation is checked against the reference.
+   conversation is checked against the reference. fsm-kernel runs as a user gets it, its
+   tool's 30 s timeout enforced on a pool thread (the targets are assessed so), and also
+   with no timeout (`_inline`), its tool called on the loop's thread as the peers call theirs.
 2. growth: one run of --growth-n (1,000) iterations per contender sampling the I/O counters at
    each iteration, then --growth-rounds (5) runs timed by the clock alone; cycle time (model
    call to model call) and bytes per iteration at iterations 1-10 against the last 10 (the
@@ -62,9 +64,17 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
 
-IN_MEMORY = ["floor", "fsm_memory", "langgraph_memory", "langgraph_lean_memory", "burr_memory"]
+IN_MEMORY = [
+    "floor",
+    "fsm_memory",
+    "fsm_memory_inline",
+    "langgraph_memory",
+    "langgraph_lean_memory",
+    "burr_memory",
+]
 DURABLE = [
     "fsm_sqlite",
+    "fsm_sqlite_inline",
     "fsm_jsonl",
     "langgraph_sqlite_async",
     "langgraph_sqlite_sync",
@@ -87,6 +97,8 @@ LABELS = {
     "fsm_memory": "fsm-kernel, no store",
     "fsm_sqlite": "fsm-kernel, SQLite store",
     "fsm_jsonl": "fsm-kernel, JSONL store",
+    "fsm_memory_inline": "fsm-kernel, no store, tool inline",
+    "fsm_sqlite_inline": "fsm-kernel, SQLite, tool inline",
     "fsm_postgres": "fsm-kernel, PostgreSQL store",
     "langgraph_memory": "LangGraph, no checkpointer",
     "langgraph_sqlite_async": "LangGraph, SqliteSaver, durability=async",
