@@ -810,13 +810,13 @@ class SqlEventStore:
 
     def _insert_events(self, cur: BatchExecutor, columns: list[Any], *, together: bool) -> None:
         """Insert the rows `columns` holds (see keyed_columns): the rows of several batches
-        `together` with as few statements as it
-        takes, ROWS_PER_INSERT rows each at most (and a power of two, so a handful of
-        statements serve every count). SQLite lets go of the GIL while it runs a statement,
-        and the store's thread must take it back after each, so one statement for many rows,
-        rather than one step per row, spares the event loop's thread a wait for the GIL per
-        row (the rows of hundreds of runs at once). A lone batch's few rows go one step each,
-        which costs it less than preparing several statements."""
+        `together` with as few statements as it takes, ROWS_PER_INSERT rows each at most (and
+        a power of two, so a handful of statements serve every count). SQLite lets go of the
+        GIL while it runs a statement, and the store's thread must take it back after each,
+        so one statement for many rows, rather than one step per row, spares the event loop's
+        thread a wait for the GIL per row (the rows of hundreds of runs at once). A lone
+        batch's few rows go one step each, which costs it less than preparing several
+        statements."""
         sql = self._dialect.sql.insert_event
         if not together:
             cur.executemany(sql, zip(*[iter(columns)] * KEYED_WIDTH, strict=True))

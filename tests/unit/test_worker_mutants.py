@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,24 @@ class Listener:
         return await self.signals.get()
 
 
+_OPENED: list[SqliteDispatchQueue] = []
+"""The queues this module's tests opened, closed after each test (see _close_queues)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_queues() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 class NotingQueue(SqliteDispatchQueue):
     """The SQLite queue, noting its connects and claims, with the test's listener if any
     (as PostgreSQL's NOTIFY would feed one); `refuse_connects` connects that fail."""
 
     def __init__(self, *args: Any, listener: Listener | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _OPENED.append(self)
         self.the_listener = listener
         self.listeners_made = 0
         self.connects = 0
@@ -148,10 +161,7 @@ def test_start_connects_and_waits_until_the_listener_listens_once(tmp_path: Path
             1,
         )
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
 
 
@@ -173,10 +183,7 @@ def test_start_warns_when_not_listening_in_time_and_the_worker_polls_meanwhile(
         worker.stop()
         await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [r.getMessage() for r in caplog.records] == [
         "worker w1: not listening for wake-ups after 0.05s; polling meanwhile"
     ]
@@ -207,10 +214,7 @@ def test_start_waits_five_seconds_for_the_listener_by_default(
         worker.stop()
         await asyncio.wait_for(worker.run(), 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert waited == [(2, 5.0)]  # listening, or stopped: whichever comes first
     assert [r.getMessage() for r in caplog.records] == [
         "worker w1: not listening for wake-ups after 5s; polling meanwhile"
@@ -230,10 +234,7 @@ def test_start_that_cannot_connect_raises_and_the_next_start_connects_again(
         await worker.start()
         await worker.start()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert (queue.connects, queue.claims) == (2, 0)
 
 
@@ -269,10 +270,7 @@ def test_an_idle_worker_waits_its_poll_interval_between_claims(
         worker.stop()
         await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
 
 
@@ -298,10 +296,7 @@ def test_a_cancel_request_for_another_run_leaves_the_listener_relaying_wake_ups(
         worker.stop()
         await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.DONE)]
 
 
@@ -339,10 +334,7 @@ def test_the_listener_is_the_workers_kernels_and_closed_when_run_returns_which_l
         assert listener.exited == 1  # closed before run() returned
 
     with caplog.at_level(logging.INFO, logger="fsm_kernel.scheduler.worker"):
-        try:
-            asyncio.run(scenario())
-        finally:
-            queue.close()
+        asyncio.run(scenario())
     assert queue.listened_for == ["k1"]
     assert [r.getMessage() for r in caplog.records] == [
         "worker w1 started (kernel k1)",
@@ -383,10 +375,7 @@ def test_a_busy_worker_claims_no_more_than_its_free_slots_and_waits_for_a_run_to
         worker.stop()
         await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert runner.peak == 2
     assert sorted(d.agent_id for d in results) == ["a", "b", "c"]
 
@@ -419,10 +408,7 @@ def test_a_runs_outcome_is_recorded_by_the_workers_next_claim(tmp_path: Path) ->
             second.dispatch_id: DispatchStatus.DONE,
         }
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [d.status for d in results] == [ExecutionStatus.DONE] * 2
 
 
@@ -458,11 +444,8 @@ def test_an_outcome_whose_claim_failed_is_recorded_on_its_own_and_the_failure_lo
         await asyncio.wait_for(task, 5)
 
     with caplog.at_level(logging.WARNING, logger="fsm_kernel.scheduler.worker"):
-        try:
-            asyncio.run(scenario())
-            statuses = [d.status for d in queue.list("k1")]
-        finally:
-            queue.close()
+        asyncio.run(scenario())
+        statuses = [d.status for d in queue.list("k1")]
     assert queue.failed == 1
     assert [dispatch.dispatch_id] in queue.carried
     assert [d.status for d in results] == [ExecutionStatus.DONE]
@@ -498,10 +481,7 @@ def test_a_dispatch_for_an_agent_the_config_lacks_fails_and_frees_its_slot(
         worker.stop()
         await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [(d.agent_id, d.status) for d in results] == [
         ("gone", ExecutionStatus.FAILED),
         ("a", ExecutionStatus.DONE),
@@ -538,10 +518,7 @@ def test_an_outcome_carried_by_a_claim_cut_short_by_cancelling_the_worker_is_sti
             what="the outcome, recorded on its own",
         )
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        queue.close()
+    asyncio.run(scenario())
     assert [c for c in queue.carried if c] == [[dispatch.dispatch_id]]
 
 
@@ -572,11 +549,8 @@ def test_dispatches_claimed_as_the_worker_abandons_its_work_are_left_unrun(
     async def scenario() -> None:
         await asyncio.wait_for(worker.run(), 5)
 
-    try:
-        asyncio.run(scenario())
-        statuses = [d.status for d in queue.list("k1")]
-    finally:
-        queue.close()
+    asyncio.run(scenario())
+    statuses = [d.status for d in queue.list("k1")]
     assert runner.calls == []
     assert [(d.agent_id, d.status) for d in results] == [("a", ExecutionStatus.ABANDONED)]
     assert statuses == [DispatchStatus.RUNNING]  # left for its lease to expire
