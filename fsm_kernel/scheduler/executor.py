@@ -424,8 +424,10 @@ class DispatchExecutor:
         self._ticker.start(run)
         try:
             returned, failure = await self._await_run(run, agent)
-        finally:
-            del self._running[dispatch.dispatch_id]
+        finally:  # only its own entry: the same dispatch, reclaimed by this worker after
+            # its lease ran out (heartbeats late on a stalled machine), may be running again
+            if self._running.get(dispatch.dispatch_id) is run:
+                del self._running[dispatch.dispatch_id]
             if ran is not None:
                 ran()
         return await self._conclude(run, returned, failure)

@@ -324,3 +324,31 @@ def test_a_failed_renewal_is_reported_and_the_run_goes_on_beating(
     assert [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()] == [
         f"dispatch {dispatch_id}: heartbeat failed: database is locked"
     ]
+
+
+def test_the_same_dispatch_run_twice_at_once_ends_both_runs_cleanly(
+    tmp_path: Path, queue: BeatLog
+) -> None:
+    """A worker whose lease ran out (heartbeats late on a stalled machine) may claim its own
+    dispatch again while the first run goes on: each run's end removes its own entry only, so
+    neither fails on the other's bookkeeping (before: KeyError when the second one ended)."""
+    release = asyncio.Event()
+
+    async def held(agent: AgentSpec, prompt: str) -> RunOutcome:
+        await release.wait()
+        return RunOutcome(ok=True)
+
+    async def scenario() -> list[Any]:
+        queue.loop = asyncio.get_running_loop()
+        executor = executor_for(tmp_path, queue, held, timeout=60)
+        dispatch = claim(queue, "a")
+        first = asyncio.create_task(executor.execute(dispatch))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(executor.execute(dispatch))
+        await asyncio.sleep(0.01)
+        release.set()
+        return list(await asyncio.gather(first, second, return_exceptions=True))
+
+    details = asyncio.run(scenario())
+    assert not [d for d in details if isinstance(d, BaseException)], details
+    assert [d.agent_id for d in details] == ["a", "a"]
