@@ -171,7 +171,8 @@ def _report(
         print(f"coverage of {path}: edges below --coverage-min {args.coverage_min:g}%")
     passed = sum(r.passed for r in results)
     failed = len(results) - passed
-    errors = f", {len(broken)} broken file errors" if broken else ""
+    plural = "s" if len(broken) != 1 else ""
+    errors = f", {len(broken)} error{plural} in test files" if broken else ""
     print(f"{passed} passed, {failed} failed{errors} in {seconds:.2f} s")
 
 

@@ -236,6 +236,13 @@ def load_test_file(path: str | Path) -> LoadedTests:
     if not isinstance(data, dict):
         where = locs.get((), SourceLocation(str(p), 1, 1))
         raise WorkflowValidationError("a test file is a mapping: workflow, cases", location=where)
+    if "cases" not in data and "states" in data:  # a workflow given where its tests belong
+        where = locs.get((), SourceLocation(str(p), 1, 1))
+        raise WorkflowValidationError(
+            f"this is a workflow, not a test file (one with 'workflow:' and 'cases:'); "
+            f"'fsm-kernel test --generate {p}' writes one for it",
+            location=where,
+        )
     try:
         spec = TestFile.model_validate(data)
     except ValidationError as exc:

@@ -132,6 +132,23 @@ def test_a_broken_file_is_one_line_per_mistake_and_exit_2(
     assert "Traceback" not in ran.err
 
 
+def test_a_workflow_given_as_a_test_file_says_so_and_how_to_get_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's likely slip: `fsm-kernel test my_workflow.yaml`. One line saying what the
+    file is and the command that writes its tests, not four unknown-key errors."""
+    workflow = _write(tmp_path, "flow.yaml", "name: flow\nstates: {a: {final: true}}\n")
+
+    ran = cli(capsys, "test", str(workflow))
+
+    assert ran.code == 2, ran.out + ran.err
+    assert ran.err.splitlines() == [
+        f"error: {workflow}:1:1: this is a workflow, not a test file (one with 'workflow:' and "
+        f"'cases:'); 'fsm-kernel test --generate {workflow}' writes one for it"
+    ]
+    assert ran.out.splitlines()[-1].startswith("0 passed, 0 failed, 1 error in test files in ")
+
+
 def test_a_tool_the_workflow_does_not_offer_is_a_broken_case(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
