@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -15,7 +16,12 @@ from fsm_kernel.errors import ConfigError
 __all__ = ["register"]
 
 EXIT_OK = 0
-_QUIT = ("!exit", "!quit")
+_QUIT = frozenset({"!exit", "!quit", "/exit", "/quit", "/bye"})
+_HELP = frozenset({"!help", "/help", "/?"})
+_HELP_TEXT = (
+    "each line you type is a run that continues this conversation; !exit (or /exit, /quit, "
+    "Ctrl-D, Ctrl-C at the prompt) ends the chat; Ctrl-C while a run works stops that run"
+)
 
 
 def register(sub: Any) -> None:
@@ -25,10 +31,11 @@ def register(sub: Any) -> None:
         "chat",
         description="Each line you type is a run of WORKFLOW that continues the conversation "
         "so far (recorded as such in the event log); its progress shows on stderr, its answer "
-        "on stdout (streamed there as it comes when stdout is a terminal). !exit, Ctrl-D, or "
-        "Ctrl-C at the prompt end the chat (exit 0); Ctrl-C while a run works stops that run "
-        "(it ends 'cancelled') and gives the prompt back. "
-        "--continue RUN_ID picks up a conversation later.",
+        "on stdout (streamed there as it comes when stdout is a terminal). !exit (or /exit, "
+        "/quit), Ctrl-D, or Ctrl-C at the prompt end the chat (exit 0) and say how to pick it "
+        "up later; !help says this; any other line starting with ! is refused, not sent. "
+        "Ctrl-C while a run works stops that run (it ends 'cancelled') and gives the prompt "
+        "back. --continue RUN_ID picks up a conversation later.",
     )
     p.add_argument("workflow", metavar="WORKFLOW", nargs="?", default="default")
     p.add_argument(
@@ -73,22 +80,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 assert agent.store is not None
                 previous = agent.store.find_run(args.continue_run)
                 print(f"(continuing run {previous})", file=sys.stderr)
-            while True:
-                line = await _read_line("> ")
-                if line is None:
-                    return
-                text = line.strip()
-                if not text:
-                    continue
-                if text in _QUIT:
-                    return
+            while (text := await _next_prompt()) is not None:
                 result = await run_cancellable(agent.run(text, continue_from=previous))
                 previous = result.run_id
                 live.finish()
                 _show(result, shown=live.shown(result.response))
+            if previous is not None:
+                again = f"fsm-kernel chat {shlex.quote(args.workflow)} --continue {previous}"
+                print(f"(to go on later: {again})", file=sys.stderr)
 
     asyncio.run(go())
     return EXIT_OK
+
+
+async def _next_prompt() -> str | None:
+    """The next line to send to the model; None when the chat ends. Chat commands (a line
+    starting with !, and /exit, /quit, /bye, /help, /?) are handled here, never sent."""
+    while True:
+        line = await _read_line("> ")
+        if line is None:
+            return None
+        text = line.strip()
+        if text in _QUIT:
+            return None
+        if text in _HELP:
+            print(_HELP_TEXT, file=sys.stderr)
+        elif text.startswith("!"):
+            print(f"unknown chat command {text.split()[0]} (!help, !exit)", file=sys.stderr)
+        elif text:
+            return text
 
 
 async def _read_line(prompt: str) -> str | None:

@@ -193,6 +193,38 @@ def test_chat_in_a_terminal_continues_line_after_line(
     ]
 
 
+def test_chat_commands_are_handled_not_sent_and_the_end_says_how_to_go_on(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    """Lines a person types to the chat itself (help, an unknown !command, a blank line, the
+    /quit other chat tools use) never reach the model; the chat's end names the command that
+    continues it. Piped stdin, as a script would drive it."""
+    store = tmp_path / "chat.db"
+    server.enqueue(text_reply("Hello, Bo."))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FSM_KERNEL_MAX_RETRIES": "0"}
+    typed = "/help\n!nope now\n\nI am Bo.\n/quit\nnever sent\n"
+
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_kernel", "chat", "default", "--base-url", server.base_url,
+         "--model", "m", "--store", str(store)],
+        input=typed, capture_output=True, text=True, env=env, timeout=60, check=False,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "Hello, Bo.\n"
+    assert [_said(r) for r in server.requests] == [[("user", "I am Bo.")]]
+    with SqliteEventStore(store) as events:
+        (run,) = events.list_runs()
+    lines = done.stderr.replace("> ", "\n").splitlines()
+    assert (
+        "each line you type is a run that continues this conversation; !exit (or /exit, "
+        "/quit, Ctrl-D, Ctrl-C at the prompt) ends the chat; Ctrl-C while a run works stops "
+        "that run" in lines
+    )
+    assert "unknown chat command !nope (!help, !exit)" in lines
+    assert lines[-1] == f"(to go on later: fsm-kernel chat default --continue {run.run_id})"
+
+
 def test_chat_ctrl_c_stops_the_run_at_work_then_ends_the_chat_at_the_prompt(
     server: FakeOpenAIServer, tmp_path: Path
 ) -> None:
