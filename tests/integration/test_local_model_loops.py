@@ -251,10 +251,13 @@ def test_the_bundled_file_renamed_behaves_as_local(tmp_path: Path) -> None:
         )  # fmt: skip
         result = run_json(proc)
         calls = [c["name"] for c in result["tool_calls"]]
-        # Not the answer's wording: it tells the time, which moved on between the runs.
-        ends.append((result["termination_reason"], calls, result["iterations"]))
+        # Not the answer's wording, nor its length: it tells the time, which moved on between
+        # the runs, so one answer may run into the token cap (truncated) where the other does
+        # not. Either way it answered in text after one reading of the clock.
+        answered = result["termination_reason"] in ("final_answer", "truncated")
+        ends.append((answered, calls, result["iterations"]))
 
-    assert ends[0] == ("final_answer", ["datetime"], 2)
+    assert ends[0] == (True, ["datetime"], 2)
     assert ends[1] == ends[0]
 
 
