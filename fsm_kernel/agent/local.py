@@ -16,6 +16,7 @@ malformed output, fed back to the model; an answer keeps the text before the loo
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import ctypes
 import functools
@@ -23,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -220,7 +222,25 @@ def _import_llama_cpp() -> Any:
             "pip install --force-reinstall --no-cache-dir llama-cpp-python"
         ) from None
     _route_llama_log(llama_cpp)
+    if not _devnull_closer:
+        _devnull_closer.append(atexit.register(_close_devnull))
     return llama_cpp
+
+
+_devnull_closer: list[Callable[[], None]] = []
+"""The exit hook closing llama_cpp's /dev/null files, once registered."""
+
+
+def _close_devnull() -> None:
+    """At exit: close the two /dev/null files llama_cpp opens when imported and never closes
+    (its `_utils.outnull_file` and `errnull_file`, used only while a model loads), so a process
+    run with ResourceWarning shown (`python -X dev`, pytest's `-W error`) does not end with two
+    'unclosed file' warnings that are not its own."""
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        handle = getattr(utils, name, None)
+        if handle is not None and not handle.closed:
+            handle.close()
 
 
 _log_callback: Any = None

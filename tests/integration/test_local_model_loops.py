@@ -294,3 +294,18 @@ def test_a_tool_call_streams_as_progress_marked_with_its_tool_never_as_answer_te
     assert seen, "the call streamed nothing"
     assert {d.tool_call for d in seen} == {"datetime"}  # no piece passes for answer text
     assert "".join(d.text for d in seen).startswith("Tool call: datetime(")
+
+
+@needs_local
+def test_a_process_that_used_llama_cpp_ends_without_its_unclosed_file_warnings() -> None:
+    """llama_cpp opens two /dev/null files when imported and never closes them: a process run
+    with ResourceWarning shown (`python -X dev`, pytest's `-W error`) would end with two
+    'unclosed file' lines that are not its own. fsm-kernel closes them at exit."""
+    code = "from fsm_kernel.agent.local import _import_llama_cpp; _import_llama_cpp()"
+    ran = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", code],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+    assert ran.returncode == 0, ran.stderr
+    assert "ResourceWarning" not in ran.stderr, ran.stderr
