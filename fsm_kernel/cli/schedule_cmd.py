@@ -45,7 +45,11 @@ def register(sub: Any) -> None:
         "or any worker to resume the run. Ctrl-C stops gracefully.",
     )
     p.add_argument("config", metavar="CONFIG", help="scheduler config (YAML)")
-    p.add_argument("--once", action="store_true", help="run one cycle now, print it, exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="run one cycle now (each run shown on stderr as it starts), print its result, exit",
+    )
     p.add_argument("--json", action="store_true", help="print cycle results as JSON lines")
     p.add_argument("--base-url", help="model server for every agent (overrides env/workflow)")
     p.add_argument("--model", help="model for every agent")

@@ -171,6 +171,14 @@ def _print_cycle(result: CycleResult, as_json: bool) -> None:
         print(_skip_line(skip, result.tick), file=sys.stderr, flush=True)
 
 
+def _print_start(dispatch: Dispatch) -> None:
+    """On stderr as each dispatch's run starts: a cycle prints its outcomes only once every
+    run ended, which a slow model makes minutes."""
+    doing = f"resuming run {dispatch.run_id}" if dispatch.run_id else "running"
+    print(f"{doing} {dispatch.agent_id} (dispatch {dispatch.dispatch_id})", file=sys.stderr,
+          flush=True)  # fmt: skip
+
+
 def _skip_line(skip: SkippedAgent, tick: datetime) -> str:
     """Why an agent was not dispatched, on one line; for a running dispatch the worker and the
     lease expiry, since a killed scheduler's dispatch blocks its agent until then."""
@@ -227,7 +235,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     async def go() -> CycleResult | None:
         scheduler = Scheduler(config, queue, runner, wake=timer_waker(config, queue=queue),
-                              on_cycle=lambda r: _print_cycle(r, args.json))  # fmt: skip
+                              on_cycle=lambda r: _print_cycle(r, args.json),
+                              on_start=None if args.json else _print_start)  # fmt: skip
         _install_stop(scheduler.stop)
         heap.settle()
         try:

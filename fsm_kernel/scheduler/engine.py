@@ -27,7 +27,7 @@ from fsm_kernel.scheduler.executor import (
     default_worker_id,
 )
 from fsm_kernel.scheduler.planner import Plan, SkippedAgent, plan_dispatches
-from fsm_kernel.scheduler.queue import DispatchQueue, tick_key
+from fsm_kernel.scheduler.queue import Dispatch, DispatchQueue, tick_key
 from fsm_kernel.scheduler.statefile import StateFile
 
 __all__ = ["CycleResult", "Scheduler", "Sleep"]
@@ -113,6 +113,7 @@ class Scheduler:
         state_file: StateFile | None = None,
         on_cycle: Callable[[CycleResult], None] | None = None,
         wake: Callable[[], Awaitable[int]] | None = None,
+        on_start: Callable[[Dispatch], None] | None = None,
     ) -> None:
         """Nothing touches the disk or the store until a cycle runs.
 
@@ -127,6 +128,8 @@ class Scheduler:
             on_cycle: Called with every tick's result, skipped ticks included.
             wake: Run at the start of every cycle: resumes the runs whose timer is due (a
                 waiting state's `after:`) and returns how many; its failure is logged.
+            on_start: Called with each dispatch this process claimed, as its run starts (the
+                cycle's result, with every outcome, comes once they all ended).
         """
         self.config = config
         self.queue = queue
@@ -137,6 +140,7 @@ class Scheduler:
         self._sleep = sleep
         self._on_cycle = on_cycle
         self._wake = wake
+        self._on_start = on_start
         self._executor = DispatchExecutor(config, queue, runner, worker_id=self.worker_id)
         self._cycle_lock = asyncio.Lock()
         self._stop_requested = asyncio.Event()
@@ -284,6 +288,8 @@ class Scheduler:
                 return
             if dispatch is None:
                 return
+            if self._on_start is not None:
+                self._on_start(dispatch)
             details.append(await self._executor.execute(dispatch, abandon=self._abandon))
 
     async def _fire(

@@ -168,6 +168,9 @@ def test_once_runs_the_enabled_agents_and_one_failure_does_not_stop_the_other(
     assert "skipped" not in result.out.replace("skipped 1", "")  # skips go to stderr
     assert re.search(r"^skipped off: disabled \(enabled: false in the config\)$", result.err, re.M)
     assert "Traceback" not in result.err
+    ids = {r["agent_id"]: r["dispatch_id"] for r in dispatch_rows(capsys)}
+    started = re.findall(r"^running (\w+) \(dispatch (\S+)\)$", result.err, re.M)
+    assert sorted(started) == sorted(ids.items())  # each run's start shown as it starts
     server.assert_complete()  # exactly 2 writer requests and 1 breaker request
     assert len(requests_for(server, WRITER)) == WRITER_REQUESTS
     assert len(requests_for(server, BREAKER)) == BREAKER_REQUESTS
@@ -185,6 +188,7 @@ def test_once_exits_0_when_every_dispatch_succeeds_and_json_prints_one_cycle(
     assert result.code == 0, result.err
     lines = result.out.splitlines()
     assert len(lines) == 1, result.out  # printed once, not also through on_cycle
+    assert "running" not in result.err  # JSON mode: no progress lines
     cycle = json.loads(lines[0])
     counts = {k: cycle[k] for k in ("dispatched", "succeeded", "failed", "skipped")}
     assert counts == {"dispatched": 2, "succeeded": 2, "failed": 0, "skipped": 1}
