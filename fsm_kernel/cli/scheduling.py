@@ -174,9 +174,13 @@ def _print_cycle(result: CycleResult, as_json: bool) -> None:
 def _print_start(dispatch: Dispatch) -> None:
     """On stderr as each dispatch's run starts: a cycle prints its outcomes only once every
     run ended, which a slow model makes minutes."""
-    doing = f"resuming run {dispatch.run_id}" if dispatch.run_id else "running"
-    print(f"{doing} {dispatch.agent_id} (dispatch {dispatch.dispatch_id})", file=sys.stderr,
-          flush=True)  # fmt: skip
+    if dispatch.run_id:
+        line = (
+            f"resuming {dispatch.agent_id} (run {dispatch.run_id}, dispatch {dispatch.dispatch_id})"
+        )
+    else:
+        line = f"running {dispatch.agent_id} (dispatch {dispatch.dispatch_id})"
+    print(line, file=sys.stderr, flush=True)
 
 
 def _skip_line(skip: SkippedAgent, tick: datetime) -> str:

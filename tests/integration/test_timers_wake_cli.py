@@ -136,7 +136,7 @@ def test_schedule_once_wakes_the_run_and_resumes_it_when_no_worker_runs(
     assert re.search(r"^tick \S+: dispatched 0, succeeded 1, failed 0, skipped 1$", once.out, re.M)
     assert re.search(rf"^  done\s+reminder\s+run {run_id} final_answer$", once.out, re.M), once.out
     assert "skipped reminder: pending" in once.err  # its woken dispatch was its active one
-    assert re.search(rf"^resuming run {run_id} reminder \(dispatch \S+\)$", once.err, re.M)
+    assert re.search(rf"^resuming reminder \(run {run_id}, dispatch \S+\)$", once.err, re.M)
     kinds = types(store, run_id)
     assert (kinds.count("timer.fired"), kinds.count("run.resumed")) == (1, 1)
 
