@@ -1,0 +1,116 @@
+"""The kernel's run loop (kernel.py): the behaviours its mutation testing found unpinned. The
+prompt `run_sync` runs, the text a run refuses before anything is recorded, the error of a
+truncated run when the model names its own cap, and what a suspended run logs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from fsm_kernel.errors import ConfigError
+from fsm_kernel.kernel import TRUNCATED_ERROR, Kernel
+from fsm_kernel.protocol import Completion, EventType, Message, ToolCall
+from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness
+from fsm_kernel.tools import builtin_registry
+from fsm_kernel.workflow.compiler import compile_workflow
+from fsm_kernel.workflow.loader import load_workflow_text
+
+ONE_SHOT = """\
+name: one_shot
+initial: think
+states:
+  think: {action: agent.think}
+  terminate: {final: true}
+transitions:
+  - {source: think, target: terminate, reason: final_answer}
+"""
+
+
+def _kernel(model: object, workspace: Path) -> Kernel:
+    spec = load_workflow_text(ONE_SHOT, path="one_shot.yaml")
+    return Kernel(compile_workflow(spec), model=model, tools=builtin_registry(workspace))  # type: ignore[arg-type]
+
+
+def test_run_sync_runs_the_prompt_it_is_given(tmp_path: Path) -> None:
+    model = ScriptedChatModel(["4"])
+    result = _kernel(model, tmp_path).run_sync("What is 2 + 2?", run_id="r-sync")
+    assert (result.run_id, result.response) == ("r-sync", "4")
+    assert result.events[0].data["goal"] == "What is 2 + 2?"
+    assert model.requests[0].last_message.content == "What is 2 + 2?"
+
+
+def test_a_history_holding_a_lone_surrogate_is_refused_before_anything_is_recorded(
+    tmp_path: Path,
+) -> None:
+    history = [Message.user("earlier"), Message.assistant("réponse \ud800 cassée")]
+    kernel = _kernel(ScriptedChatModel(["never asked"]), tmp_path)
+    seen: list[object] = []
+    kernel.on_event = seen.append
+    with pytest.raises(ConfigError) as raised:
+        asyncio.run(kernel.run("go on", history=history))
+    assert str(raised.value) == (
+        "the history is not valid text: it holds '\\ud800', a lone surrogate, which UTF-8 "
+        "cannot encode (decode bytes with errors='replace')"
+    )
+    assert seen == []
+
+
+def test_a_history_of_valid_text_is_recorded_in_run_started(tmp_path: Path) -> None:
+    call = ToolCall(id="c1", name="datetime", arguments={"timezone": "Europe/Paris"})
+    history = [Message.user("Quelle heure ?"), Message.assistant("", [call])]
+    model = ScriptedChatModel(["Midi."])
+    result = asyncio.run(_kernel(model, tmp_path).run("Et maintenant ?", history=history))
+    assert result.termination_reason == "final_answer"
+    assert result.events[0].data["history"] == [m.to_dict() for m in history]
+
+
+class _CappedModel(ScriptedChatModel):
+    """A model that applies its own reply cap and says so (as the local model does)."""
+
+    def __init__(self, truncation_error: object) -> None:
+        cut = Completion(message=Message.assistant("It is twelve o'cl"), finish_reason="length")
+        super().__init__([cut])
+        self.truncation_error = truncation_error
+
+
+def test_a_truncated_run_reports_the_models_own_cap_when_it_names_one(tmp_path: Path) -> None:
+    own = "cut off at FSM_KERNEL_LOCAL_MAX_TOKENS=64 tokens; raise it"
+    result = _kernel(_CappedModel(own), tmp_path).run_sync("What time is it?")
+    assert (result.termination_reason, result.error) == ("truncated", own)
+    assert result.response == "It is twelve o'cl"
+    assert result.events[-1].data["error"] == own
+
+
+@pytest.mark.parametrize("own", ["", None, 64])
+def test_a_truncated_run_falls_back_to_the_general_advice(tmp_path: Path, own: object) -> None:
+    """An empty or non-text `truncation_error` says nothing: the general advice is given."""
+    result = _kernel(_CappedModel(own), tmp_path).run_sync("What time is it?")
+    assert (result.termination_reason, result.error) == ("truncated", TRUNCATED_ERROR)
+
+
+ASK = """\
+name: ask
+initial: steer
+states:
+  steer: {action: human.input, prompt: "How should I go on?"}
+  think: {action: agent.think}
+  done: {final: true}
+transitions:
+  - {source: steer, target: think}
+  - {source: think, target: done, reason: final_answer}
+"""
+
+
+def test_a_suspended_run_logs_what_it_waits_for_and_where(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    harness = WorkflowHarness(load_workflow_text(ASK, path="ask.yaml"))
+    with caplog.at_level(logging.INFO, logger="fsm_kernel.kernel"):
+        result = harness.run("go", model=ScriptedChatModel([]))
+    assert result.status == "waiting"
+    assert result.events[-1].type is EventType.RUN_SUSPENDED
+    lines = [r.getMessage() for r in caplog.records if r.name == "fsm_kernel.kernel"]
+    assert "suspended: waiting for input in state steer" in lines
