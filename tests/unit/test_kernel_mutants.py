@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fsm_kernel.errors import ConfigError
+from fsm_kernel.errors import AgentConnectionError, ConfigError
 from fsm_kernel.kernel import TRUNCATED_ERROR, Kernel
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall
-from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness
+from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.tools import builtin_registry
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
@@ -114,3 +114,70 @@ def test_a_suspended_run_logs_what_it_waits_for_and_where(
     assert result.events[-1].type is EventType.RUN_SUSPENDED
     lines = [r.getMessage() for r in caplog.records if r.name == "fsm_kernel.kernel"]
     assert "suspended: waiting for input in state steer" in lines
+
+
+def broken_cleanup(ctx: object) -> None:
+    """A user action with a bug, run after a caught model failure."""
+    raise RuntimeError("cleanup failed")
+
+
+CAUGHT_THEN_CRASH = """\
+name: caught_then_crash
+initial: think
+states:
+  think:
+    action: agent.think
+    catch:
+      - {error: agent_error, target: cleanup}
+  cleanup: {action: "tests.unit.test_kernel_mutants:broken_cleanup"}
+  done: {final: true}
+transitions:
+  - {source: think, target: done, reason: final_answer}
+  - {source: cleanup, target: done, reason: final_answer}
+"""
+
+
+def test_a_failed_iteration_records_the_error_that_ended_the_run_not_the_caught_one() -> None:
+    """The model call failed and `catch:` routed it; then a later step of the same iteration
+    ended the run: the iteration's record names what ended it."""
+    harness = WorkflowHarness(load_workflow_text(CAUGHT_THEN_CRASH, path="c.yaml"))
+    model = ScriptedChatModel([AgentConnectionError("cannot reach http://big/v1")])
+    result = harness.run("go", model=model)
+    ended = "RuntimeError: cleanup failed (in state 'cleanup')"
+    assert (result.termination_reason, result.error) == ("error", ended)
+    (record,) = [e.data for e in result.events if e.type is EventType.ITERATION_COMPLETED]
+    assert (record["decision"], record["error"], record["next_state"]) == (
+        "failed",
+        ended,
+        "cleanup",
+    )
+
+
+TOOL_THEN_ANSWER = """\
+name: tool_then_answer
+tools: [datetime]
+initial: think
+states:
+  think: {action: agent.think}
+  act: {action: tools.execute}
+  done: {final: true}
+transitions:
+  - {source: think, target: act, guard: has_tool_calls}
+  - {source: think, target: done, reason: final_answer}
+  - {source: act, target: think}
+"""
+
+
+def test_an_iteration_that_called_tools_records_no_answer_even_beside_text() -> None:
+    """A reply's text beside its tool calls is not an answer: the record's `answer` is empty
+    for a `tool_calls` iteration and the reply's text for an `answer` one."""
+    harness = WorkflowHarness(load_workflow_text(TOOL_THEN_ANSWER, path="t.yaml"))
+    model = ScriptedChatModel(
+        [call("datetime", {"timezone": "UTC"}, content="Let me look at the clock."), "Noon."]
+    )
+    result = harness.run("What time is it?", model=model)
+    records = [e.data for e in result.events if e.type is EventType.ITERATION_COMPLETED]
+    assert [(r["decision"], r["answer"]) for r in records] == [
+        ("tool_calls", ""),
+        ("answer", "Noon."),
+    ]
