@@ -202,3 +202,54 @@ SHALLOW_TWO_LEVELS = DEEP_TWO_LEVELS.replace("history: deep", "history: shallow"
 def test_shallow_history_two_levels_down_enters_the_childs_entry() -> None:
     harness = WorkflowHarness(load_workflow_text(SHALLOW_TWO_LEVELS, path="h.yaml"))
     assert harness.step("away", history={"outer": "c"}).path_to == "outer.inner.b"
+
+
+MISSHAPEN = """\
+name: misshapen
+initial: work
+states:
+  work:
+    initial: plan
+    states:
+      plan: {action: agent.think}
+      finished: {final: true}
+  half: {initial: a}
+  other: {action: agent.think, states: {x: {action: agent.think}}}
+  empty: {initial: a, states: {}}
+  ends_first:
+    initial: f
+    final: true
+    states:
+      f: {final: true}
+      g: {action: agent.think}
+  done: {final: true}
+transitions:
+  - {source: plan, target: finished}
+  - {source: work, target: half, guard: completed}
+  - {source: half, target: other}
+  - {source: other, target: empty}
+  - {source: empty, target: ends_first}
+  - {source: ends_first, target: done, guard: completed, reason: final_answer}
+  - {source: g, target: done, reason: final_answer}
+"""
+
+
+def test_validate_names_each_misshapen_compound_state_at_its_key() -> None:
+    errors = _errors(MISSHAPEN)
+    for expected in [
+        "w.yaml:9:19: state 'half' has 'initial' but no 'states': a compound state needs both",
+        "w.yaml:10:40: state 'other' has 'states' but no 'initial': a compound state needs both",
+        "w.yaml:11:10: compound state 'empty' has no children",
+        "w.yaml:13:14: initial state 'f' cannot be final",
+        "w.yaml:14:12: compound state 'ends_first' cannot have 'final': its children act",
+    ]:
+        assert expected in errors, errors
+    assert not any(e.startswith("w.yaml:2:") for e in errors)  # `work` is top-level
+
+
+def test_validate_refuses_an_initial_state_inside_a_compound_one() -> None:
+    errors = _errors(MISSHAPEN.replace("initial: work\n", "initial: plan\n", 1))
+    assert errors[0] == (
+        "w.yaml:2:10: initial state 'plan' is inside 'work': name a top-level state (a compound "
+        "one enters its own initial child)"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,30 @@ def test_an_iteration_that_called_tools_records_no_answer_even_beside_text() -> 
         ("tool_calls", ""),
         ("answer", "Noon."),
     ]
+
+
+class _BlockingModel:
+    """A model whose call blocks the event loop (a synchronous HTTP client, say) past the run's
+    timeout before it answers."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def complete(self, messages: object, tools: object) -> Completion:
+        time.sleep(self.seconds)  # noqa: ASYNC251 - blocks the loop, as the test needs
+        return Completion(message=Message.assistant("Noon."))
+
+
+def test_a_step_that_blocked_the_loop_past_the_timeout_ends_the_run_timeout(
+    tmp_path: Path,
+) -> None:
+    spec = load_workflow_text(
+        ONE_SHOT.replace("initial: think", "limits: {timeout_seconds: 0.05}\ninitial: think"),
+        path="blocking.yaml",
+    )
+    kernel = Kernel(
+        compile_workflow(spec), model=_BlockingModel(0.3), tools=builtin_registry(tmp_path)
+    )
+    result = kernel.run_sync("What time is it?")
+    assert (result.termination_reason, result.error) == ("timeout", "run timed out after 0.05s")
+    assert [e.type for e in result.events].count(EventType.TRANSITION_TAKEN) == 0
