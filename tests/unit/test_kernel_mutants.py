@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_kernel.errors import AgentConnectionError, ConfigError
+from fsm_kernel.errors import AgentConnectionError, ConfigError, ToolFatalError
 from fsm_kernel.kernel import TRUNCATED_ERROR, Kernel
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
@@ -209,3 +209,87 @@ def test_a_step_that_blocked_the_loop_past_the_timeout_ends_the_run_timeout(
     result = kernel.run_sync("What time is it?")
     assert (result.termination_reason, result.error) == ("timeout", "run timed out after 0.05s")
     assert [e.type for e in result.events].count(EventType.TRANSITION_TAKEN) == 0
+
+
+FORECAST = """\
+name: forecast
+output:
+  type: object
+  properties: {city: {type: string}, temp_c: {type: number}}
+  required: [city, temp_c]
+initial: answer
+states:
+  answer: {action: agent.think}
+  end: {final: true}
+transitions:
+  - {source: answer, target: end, reason: final_answer}
+"""
+
+
+def test_an_answer_that_is_not_the_declared_output_ends_the_run_malformed_output() -> None:
+    """The workflow's edge says final_answer, but an answer that fails `output:` is no
+    success: the run ends malformed_output with why, in the result and the log."""
+    harness = WorkflowHarness(load_workflow_text(FORECAST, path="f.yaml"))
+    result = harness.run("Weather in Oslo?", model=ScriptedChatModel(["Cold in Oslo."]))
+    why = "the reply is not JSON (Expecting value: line 1 column 1 (char 0))"
+    assert (result.termination_reason, result.error, result.output) == (
+        "malformed_output",
+        why,
+        None,
+    )
+    assert result.events[-1].data["reason"] == "malformed_output"
+    assert result.events[-1].data["error"] == why
+    assert "output" not in result.events[-1].data
+
+
+def test_the_structured_output_is_recorded_in_run_terminated() -> None:
+    harness = WorkflowHarness(load_workflow_text(FORECAST, path="f.yaml"))
+    model = ScriptedChatModel(['{"city": "Oslo", "temp_c": 3}'])
+    result = harness.run("Weather in Oslo?", model=model)
+    assert (result.termination_reason, result.output) == (
+        "final_answer",
+        {"city": "Oslo", "temp_c": 3},
+    )
+    assert result.events[-1].data["output"] == {"city": "Oslo", "temp_c": 3}
+
+
+def explode(reason: str) -> str:
+    """Give up on the whole run.
+
+    Args:
+        reason: Why.
+    """
+    raise ToolFatalError(f"disk is gone: {reason}")
+
+
+FATAL = """\
+name: fatal
+tools: ["tests.unit.test_kernel_mutants:explode"]
+reasons:
+  escalated: {success: false, description: a tool failed for good}
+initial: think
+states:
+  think: {action: agent.think}
+  act: {action: tools.execute}
+  end: {final: true}
+transitions:
+  - {source: think, target: act, guard: has_tool_calls}
+  - {source: think, target: end, reason: final_answer}
+  - {source: act, target: end, guard: fatal_tool_error, reason: REASON}
+  - {source: act, target: think}
+"""
+
+
+@pytest.mark.parametrize(
+    ("reason", "error"), [("fatal_tool_error", "explode: disk is gone: full"), ("escalated", None)]
+)
+def test_a_fatal_tool_error_routed_by_the_workflow_says_why_only_under_its_own_reason(
+    reason: str, error: str | None
+) -> None:
+    """An edge into `fatal_tool_error` reports the failed call as the run's error; an edge into
+    a reason of the workflow's own ends the run for it, without an error of the kernel's."""
+    harness = WorkflowHarness(load_workflow_text(FATAL.replace("REASON", reason), path="x.yaml"))
+    model = ScriptedChatModel([call("explode", {"reason": "full"})])
+    result = harness.run("go", model=model)
+    assert (result.termination_reason, result.error) == (reason, error)
+    assert result.events[-1].data.get("error") == error
