@@ -293,3 +293,41 @@ def test_a_fatal_tool_error_routed_by_the_workflow_says_why_only_under_its_own_r
     result = harness.run("go", model=model)
     assert (result.termination_reason, result.error) == (reason, error)
     assert result.events[-1].data.get("error") == error
+
+
+PARENT = """\
+name: parent
+initial: delegate
+states:
+  delegate: {action: workflow.call, workflow: one_shot.yaml}
+  end: {final: true}
+transitions:
+  - {source: delegate, target: end, reason: final_answer}
+"""
+
+
+def test_a_parents_ending_records_the_model_calls_of_its_children(tmp_path: Path) -> None:
+    (tmp_path / "one_shot.yaml").write_text(ONE_SHOT)
+    (tmp_path / "parent.yaml").write_text(PARENT)
+    harness = WorkflowHarness(tmp_path / "parent.yaml")
+    result = harness.run("go", model=ScriptedChatModel(["the child's answer"]))
+    assert (result.termination_reason, result.iterations, result.child_iterations) == (
+        "final_answer",
+        0,
+        1,
+    )
+    ending = result.events[-1].data
+    assert (ending["iterations"], ending["child_iterations"]) == (0, 1)
+    assert result.to_dict()["child_iterations"] == 1
+
+
+def test_a_run_logs_its_ending_reason_and_error(caplog: pytest.LogCaptureFixture) -> None:
+    harness = WorkflowHarness(load_workflow_text(CAUGHT_THEN_CRASH, path="c.yaml"))
+    with caplog.at_level(logging.INFO, logger="fsm_kernel.kernel"):
+        harness.run("go", model=ScriptedChatModel([AgentConnectionError("down")]))
+        harness.run("go", model=ScriptedChatModel(["Noon."]))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("terminated")]
+    assert lines == [
+        "terminated: error (RuntimeError: cleanup failed (in state 'cleanup'))",
+        "terminated: final_answer",
+    ]
