@@ -331,3 +331,29 @@ def test_a_run_logs_its_ending_reason_and_error(caplog: pytest.LogCaptureFixture
         "terminated: error (RuntimeError: cleanup failed (in state 'cleanup'))",
         "terminated: final_answer",
     ]
+
+
+def test_run_started_links_a_child_to_its_parent_only_when_it_has_one(tmp_path: Path) -> None:
+    kernel = _kernel(ScriptedChatModel(["a", "b"]), tmp_path)
+    child = asyncio.run(kernel.run("go", parent_run_id="parent-1"))
+    alone = asyncio.run(kernel.run("go"))
+    assert child.events[0].data["parent_run_id"] == "parent-1"
+    assert "parent_run_id" not in alone.events[0].data
+
+
+def test_run_started_names_the_run_it_continues_instead_of_copying_its_messages(
+    tmp_path: Path,
+) -> None:
+    history = [Message.user("Capital of France?"), Message.assistant("Paris.")]
+    model = ScriptedChatModel(["About 2.1 million."])
+    result = asyncio.run(
+        _kernel(model, tmp_path).run("Its population?", continues="run-0", history=history)
+    )
+    started = result.events[0].data
+    assert (started["continues"], started["history_messages"]) == ("run-0", 2)
+    assert "history" not in started
+    assert [m.content for m in model.requests[0].messages][-3:] == [
+        "Capital of France?",
+        "Paris.",
+        "Its population?",
+    ]
