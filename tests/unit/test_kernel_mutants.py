@@ -15,9 +15,10 @@ from fsm_kernel.errors import AgentConnectionError, ConfigError, ToolFatalError
 from fsm_kernel.kernel import TRUNCATED_ERROR, Kernel
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
-from fsm_kernel.tools import builtin_registry
+from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
+from fsm_kernel.workflow.spec import Limits
 
 ONE_SHOT = """\
 name: one_shot
@@ -357,3 +358,36 @@ def test_run_started_names_the_run_it_continues_instead_of_copying_its_messages(
         "Paris.",
         "Its population?",
     ]
+
+
+def test_a_runs_own_tools_and_limits_replace_the_kernels_for_that_run(tmp_path: Path) -> None:
+    spec = load_workflow_text(TOOL_THEN_ANSWER, path="t.yaml")
+    kernel = Kernel(
+        compile_workflow(spec),
+        model=ScriptedChatModel([]),
+        tools=builtin_registry(tmp_path),
+    )
+    own_tools = ToolRegistry()
+
+    def datetime(timezone: str) -> str:
+        """The time in a timezone, stopped at noon.
+
+        Args:
+            timezone: An IANA name.
+        """
+        return f"12:00 in {timezone}"
+
+    own_tools.register(datetime)
+    model = ScriptedChatModel([call("datetime", {"timezone": "UTC"}), "Noon."])
+    result = asyncio.run(kernel.run("What time is it?", model=model, tools=own_tools))
+    assert (result.termination_reason, result.response) == ("final_answer", "Noon.")
+    assert result.tool_calls[0].result.content == "12:00 in UTC"
+
+    capped = ScriptedChatModel([call("datetime", {"timezone": "UTC"}), "Noon."])
+    result = asyncio.run(
+        kernel.run(
+            "What time is it?", model=capped, tools=own_tools, limits=Limits(max_iterations=1)
+        )
+    )
+    assert (result.termination_reason, result.iterations) == ("max_iterations", 1)
+    assert result.events[0].data["limits"]["max_iterations"] == 1
