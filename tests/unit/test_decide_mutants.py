@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from fsm_kernel.errors import AgentConnectionError
 from fsm_kernel.kernel import Kernel
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.tools import builtin_registry
@@ -137,3 +138,33 @@ def test_no_transition_out_of_a_state_that_does_not_decide_ends_the_run_as_error
     assert result.termination_reason == "error"
     assert result.error == "no transition out of 'think' had its guards pass"
     assert result.iterations == 1
+
+
+CAUGHT = """\
+name: decide_caught
+reasons:
+  unreachable: {success: false, description: the model server failed}
+initial: route
+states:
+  route:
+    action: agent.decide
+    prompt: "What next?"
+    catch: [{error: agent_error, target: terminate, reason: unreachable}]
+  write: {action: agent.think}
+  terminate: {final: true}
+transitions:
+  - {source: route, target: write, choice: write it}
+  - {source: route, target: terminate, choice: stop now, reason: done}
+  - {source: write, target: terminate, reason: final_answer}
+"""
+
+
+def test_an_agent_decide_state_with_a_catch_routes_a_failed_model_call() -> None:
+    """A catch edge of an agent.decide state is no choice: the model is offered the two
+    choices, and a failed call takes the catch edge."""
+    harness = WorkflowHarness(load_workflow_text(CAUGHT, path="c.yaml"))
+    assert harness.choices("route") == ["write it", "stop now"]
+    failed = harness.run("go", model=ScriptedChatModel([AgentConnectionError("down")]))
+    assert failed.termination_reason == "unreachable"
+    picked = harness.run("go", model=ScriptedChatModel([call("choose", {"choice": "stop now"})]))
+    assert picked.termination_reason == "done"
