@@ -14,6 +14,8 @@ import pytest
 from fsm_kernel.errors import AgentConnectionError, ConfigError, ToolFatalError
 from fsm_kernel.kernel import TRUNCATED_ERROR, Kernel
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall
+from fsm_kernel.replay import replay_run
+from fsm_kernel.store import SqliteEventStore
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.tools import ToolRegistry, builtin_registry
 from fsm_kernel.workflow.compiler import compile_workflow
@@ -391,3 +393,19 @@ def test_a_runs_own_tools_and_limits_replace_the_kernels_for_that_run(tmp_path: 
     )
     assert (result.termination_reason, result.iterations) == ("max_iterations", 1)
     assert result.events[0].data["limits"]["max_iterations"] == 1
+
+
+def test_a_replayed_parent_meets_its_recorded_children_again(tmp_path: Path) -> None:
+    """A replay re-drives the parent and replays each child run it recorded, by id."""
+    (tmp_path / "one_shot.yaml").write_text(ONE_SHOT)
+    (tmp_path / "parent.yaml").write_text(PARENT)
+    harness = WorkflowHarness(tmp_path / "parent.yaml")
+    with SqliteEventStore(tmp_path / "runs.db") as store:
+        result = harness.run("go", model=ScriptedChatModel(["the child's answer"]), store=store)
+        child_id = next(
+            e.data["run_id"] for e in result.events if e.type is EventType.CHILD_STARTED
+        )
+        report = asyncio.run(replay_run(compile_workflow(harness.spec), store, result.run_id))
+    assert report.identical
+    assert [c.run_id for c in report.children] == [child_id]
+    assert report.replayed_reason == "final_answer"
