@@ -18,6 +18,7 @@ from fsm_kernel.replay import replay_run
 from fsm_kernel.store import SqliteEventStore
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.tools import ToolRegistry, builtin_registry
+from fsm_kernel.workflow.children import ChildRequest, ChildResult
 from fsm_kernel.workflow.compiler import compile_workflow
 from fsm_kernel.workflow.loader import load_workflow_text
 from fsm_kernel.workflow.spec import Limits
@@ -409,3 +410,38 @@ def test_a_replayed_parent_meets_its_recorded_children_again(tmp_path: Path) -> 
     assert report.identical
     assert [c.run_id for c in report.children] == [child_id]
     assert report.replayed_reason == "final_answer"
+
+
+class _Requests:
+    """A child runner that answers every child at once and keeps what it was asked."""
+
+    def __init__(self) -> None:
+        self.requests: list[ChildRequest] = []
+
+    async def run(self, request: ChildRequest) -> ChildResult:
+        self.requests.append(request)
+        return ChildResult(
+            run_id=request.run_id,
+            workflow=request.workflow,
+            reason="final_answer",
+            ok=True,
+            answer="done",
+        )
+
+
+def test_a_child_is_asked_with_the_parents_goal_and_the_parents_file_as_caller(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(
+        PARENT.replace(
+            "workflow: one_shot.yaml}", 'workflow: one_shot.yaml, input: "Check: {goal}"}'
+        )
+    )
+    (tmp_path / "one_shot.yaml").write_text(ONE_SHOT)
+    harness = WorkflowHarness(parent)
+    runner = _Requests()
+    result = harness.run("Is the sky blue?", model=ScriptedChatModel([]), children=runner)
+    assert result.termination_reason == "final_answer"
+    (request,) = runner.requests
+    assert (request.prompt, request.caller) == ("Check: Is the sky blue?", str(parent))
