@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fsm_kernel.errors import AgentConnectionError
 from fsm_kernel.kernel import Kernel
+from fsm_kernel.protocol import EventType
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness, call
 from fsm_kernel.tools import builtin_registry
 from fsm_kernel.workflow.compiler import compile_workflow
@@ -168,3 +169,32 @@ def test_an_agent_decide_state_with_a_catch_routes_a_failed_model_call() -> None
     assert failed.termination_reason == "unreachable"
     picked = harness.run("go", model=ScriptedChatModel([call("choose", {"choice": "stop now"})]))
     assert picked.termination_reason == "done"
+
+
+LAST_CALL = """\
+name: decide_last_call
+limits: {max_iterations: 1}
+initial: route
+states:
+  route: {action: agent.decide, prompt: "What next?"}
+  write: {action: agent.think}
+  terminate: {final: true}
+transitions:
+  - {source: route, target: write, choice: write it, unless: iteration_limit}
+  - {source: route, target: terminate, reason: no_progress}
+  - {source: write, target: terminate, reason: final_answer}
+"""
+
+
+def test_a_pick_takes_its_edge_even_when_its_unless_turns_true_with_that_call() -> None:
+    """A choice's guards are tested when it is offered; the model call that picks it uses up
+    the last iteration, yet the picked edge is the one taken (then the limit ends the run)."""
+    harness = WorkflowHarness(load_workflow_text(LAST_CALL, path="l.yaml"))
+    result = harness.run("go", model=ScriptedChatModel([call("choose", {"choice": "write it"})]))
+    taken = [
+        (e.data["source"], e.data["target"])
+        for e in result.events
+        if e.type is EventType.TRANSITION_TAKEN
+    ]
+    assert taken == [("route", "write")]
+    assert (result.termination_reason, result.iterations) == ("max_iterations", 1)
