@@ -44,7 +44,9 @@ def test_run_sync_runs_the_prompt_it_is_given(tmp_path: Path) -> None:
     result = _kernel(model, tmp_path).run_sync("What is 2 + 2?", run_id="r-sync")
     assert (result.run_id, result.response) == ("r-sync", "4")
     assert result.events[0].data["goal"] == "What is 2 + 2?"
-    assert model.requests[0].last_message.content == "What is 2 + 2?"
+    asked = model.requests[0].last_message
+    assert asked is not None
+    assert asked.content == "What is 2 + 2?"
 
 
 def test_a_history_holding_a_lone_surrogate_is_refused_before_anything_is_recorded(
