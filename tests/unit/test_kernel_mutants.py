@@ -447,3 +447,31 @@ def test_a_child_is_asked_with_the_parents_goal_and_the_parents_file_as_caller(
     assert result.termination_reason == "final_answer"
     (request,) = runner.requests
     assert (request.prompt, request.caller) == ("Check: Is the sky blue?", str(parent))
+
+
+APPROVE = """\
+name: approve
+tools: [{name: datetime, approval: required}]
+initial: think
+states:
+  think: {action: agent.think}
+  act: {action: tools.execute}
+  done: {final: true}
+transitions:
+  - {source: think, target: act, guard: has_tool_calls}
+  - {source: think, target: done, reason: final_answer}
+  - {source: act, target: think}
+"""
+
+
+def test_a_tool_that_needs_approval_suspends_the_run_before_it_runs() -> None:
+    harness = WorkflowHarness(load_workflow_text(APPROVE, path="a.yaml"))
+    model = ScriptedChatModel([call("datetime", {"timezone": "UTC"})])
+    result = harness.run("What time is it?", model=model)
+    assert result.status == "waiting"
+    assert result.waiting_for is not None
+    assert (result.waiting_for["kind"], result.waiting_for["tool_call"]["name"]) == (
+        "approval",
+        "datetime",
+    )
+    assert result.tool_calls == []  # nothing ran
