@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from fsm_kernel.testing import ScriptedChatModel, WorkflowHarness
-from fsm_kernel.workflow.expressions import ExpressionError, Problem, check, evaluate, parse
+from fsm_kernel.workflow.expressions import (
+    ExpressionError,
+    Problem,
+    check,
+    evaluate,
+    parse,
+    schema_type,
+    value_fits,
+)
 
 TYPES = {
     "i": "int", "u": "uint", "f": "double", "n": "number", "s": "string", "y": "bytes",
@@ -59,6 +67,7 @@ def kind_and_problems(text: str) -> tuple[str, list[str]]:
         ("vars.l == vars.l", "bool", []),
         ("null == vars.s", "bool", []),
         ("vars.s == null", "bool", []),
+        ("vars.s != null", "bool", []),
         ("vars.i == vars.s", "dyn", ["no == for int and string"]),
         ("vars.s != vars.b", "dyn", ["no != for string and bool"]),
         # < > <= >=: numbers, or two strings, bytes or bools
@@ -77,18 +86,22 @@ def kind_and_problems(text: str) -> tuple[str, list[str]]:
         ("!vars.i", "bool", ["! needs a bool, not int"]),
         ("-vars.i", "int", []),
         ("-vars.n", "number", []),
+        ("-vars.d", "dyn", []),
         ("-vars.s", "string", ["- needs a number, not string"]),
         ("vars.b ? vars.s : vars.s", "string", []),
         ("vars.d ? 1 : 2", "int", []),
         ("vars.b ? 1 : 'a'", "dyn", []),
-        ("vars.i ? 1 : 2", "int", ["a ? b : c needs a bool condition, not int"]),
+        ("vars.s ? 1 : 2", "int", ["a ? b : c needs a bool condition, not string"]),
         # literals, indexing, fields, functions and methods
         ("[iteration]", "list", []),
         ("{'a': iteration}", "map", []),
         ("vars.l[0]", "dyn", []),
         ("vars.m['k']", "dyn", []),
         ("vars['i']", "dyn", []),
+        ("vars.l[iteration]", "dyn", []),
+        ("output[0] + event['k']", "dyn", []),  # values of unknown type may be indexed
         ("vars.i[0]", "dyn", ["int cannot be indexed"]),
+        (".iteration + 1", "dyn", []),  # a form it does not type is dyn
         ("vars.m.k", "dyn", []),
         ("event.data", "dyn", []),
         ("iteration.count", "dyn", ["int has no field 'count'"]),
@@ -104,6 +117,51 @@ def test_the_checker_types_each_operator_as_cel_overloads_it(
     text: str, kind: str, problems: list[str]
 ) -> None:
     assert kind_and_problems(text) == (kind, problems)
+
+
+def test_an_unknown_variable_when_none_are_declared_says_so() -> None:
+    assert check("vars.x", {}).problems == [Problem("unknown variable 'x' (none declared)", 1, 6)]
+
+
+def test_an_expression_that_does_not_parse_has_the_unknown_type() -> None:
+    assert check("1 +", TYPES).kind == "dyn"
+
+
+@pytest.mark.parametrize(
+    ("schema", "kind"),
+    [
+        ({"type": "integer"}, "int"),
+        ({"type": "number"}, "number"),
+        ({"type": "array"}, "list"),
+        ({"type": "null"}, "null"),
+        ({"type": "date"}, "dyn"),  # not a JSON Schema type: nothing is known
+        ({"type": ["string", "null"]}, "dyn"),  # a union
+        ({}, "dyn"),
+    ],
+)
+def test_a_variables_type_comes_from_its_schema(schema: dict[str, object], kind: str) -> None:
+    assert schema_type(schema) == kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "want", "fits"),
+    [
+        ("int", "int", True),
+        ("dyn", "string", True),
+        ("string", "dyn", True),
+        ("int", "number", True),  # a JSON number takes any number
+        ("double", "number", True),
+        ("string", "number", False),
+        ("number", "int", True),  # and may go where a number is wanted
+        ("number", "string", False),
+        ("int", "double", False),
+        ("list", "map", False),
+    ],
+)
+def test_an_assigned_value_fits_a_variable_of_its_own_or_a_wider_number_type(
+    kind: str, want: str, fits: bool
+) -> None:
+    assert value_fits(kind, want) is fits
 
 
 UNKNOWN = "(known: event, iteration, last_tool, output, tool_failures, vars)"
