@@ -180,3 +180,43 @@ def test_whole_calls_at_one_index_with_parameters_start_a_new_call_each() -> Non
     calls = completion_from_wire(assembler.body(), id_factory=counter_ids()).message.tool_calls
 
     assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
+
+
+def test_a_new_id_at_the_same_index_starts_a_new_call_before_its_arguments_arrive() -> None:
+    """Ollama sends every call at index 0: a delta with a new id and a name is the next call,
+    even when its arguments come in a later fragment."""
+    assembler = StreamAssembler()
+    for entry in (
+        {"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"index": 0, "id": "b", "function": {"name": "g"}},
+        {"index": 0, "function": {"arguments": '{"y": 2}'}},
+    ):
+        assembler.add({"choices": [{"index": 0, "delta": {"tool_calls": [entry]}}]})
+
+    calls = completion_from_wire(assembler.body()).message.tool_calls
+
+    assert [(c.id, c.name, c.arguments) for c in calls] == [
+        ("a", "f", {"x": 1}),
+        ("b", "g", {"y": 2}),
+    ]
+
+
+def test_a_tool_call_that_is_a_string_keeps_it_as_json_text() -> None:
+    body = {"choices": [{"message": {"tool_calls": ["héllo"]}}]}
+
+    [bad] = completion_from_wire(body, id_factory=counter_ids()).message.tool_calls
+
+    assert (bad.raw_arguments, bad.arguments_error) == (
+        '"héllo"',
+        "the tool call is a JSON string, not an object",
+    )
+
+
+def test_ids_that_cannot_be_made_unique_are_refused() -> None:
+    repeated = {"id": "x", "function": {"name": "f", "arguments": "{}"}}
+    body = {"choices": [{"message": {"tool_calls": [repeated, repeated]}}]}
+
+    with pytest.raises(AgentResponseError) as caught:
+        completion_from_wire(body, id_factory=lambda: "x")
+
+    assert str(caught.value) == "could not synthesise a unique tool-call id"
