@@ -419,7 +419,7 @@ def _json_type(value: Any) -> str:
         return "boolean"
     if isinstance(value, int | float):
         return "number"
-    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    names: dict[type, str] = {str: "string", list: "array", dict: "object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
 

@@ -156,7 +156,7 @@ def evaluate(text: str, names: Mapping[str, Any]) -> Any:
     tree = parse(text)
     if isinstance(tree, Problem):
         raise ExpressionError(tree.message)
-    from celpy.adapter import CELJSONEncoder, json_to_cel
+    from celpy.adapter import json_to_cel
     from celpy.evaluation import CELEvalError
 
     activation = {name: json_to_cel(value) for name, value in names.items()}
@@ -166,7 +166,24 @@ def evaluate(text: str, names: Mapping[str, Any]) -> Any:
         raise ExpressionError(_eval_message(exc)) from exc
     if isinstance(result, CELEvalError):
         raise ExpressionError(_eval_message(result))
-    return json.loads(json.dumps(result, cls=CELJSONEncoder))
+    return json.loads(json.dumps(result, cls=_encoder()))
+
+
+@functools.cache
+def _encoder() -> type[json.JSONEncoder]:
+    """celpy's JSON encoder, except that a failure kept as a value inside a map (celpy keeps
+    the error of `{"ratio": 1 / vars.n}` as the entry's value) raises ExpressionError, with the
+    evaluator's reason, as a failure of the whole expression does: not json's TypeError."""
+    from celpy.adapter import CELJSONEncoder
+    from celpy.evaluation import CELEvalError
+
+    class Encoder(CELJSONEncoder):
+        def default(self, cel_object: Any) -> Any:
+            if isinstance(cel_object, CELEvalError):
+                raise ExpressionError(_eval_message(cel_object))
+            return super().default(cel_object)
+
+    return Encoder
 
 
 def _eval_message(exc: BaseException) -> str:
