@@ -1,0 +1,169 @@
+"""More built-in action behaviours that mutation testing found unpinned, each driven on a
+RunContext whose model, clock and event log the test holds: what a context summary asks the
+model and records (and that it draws on a map's shared calls); what agent.decide records and
+charges when it asks again, fails or is retried; which calls of a parallel batch run, are
+refused or cancelled, and how long each took; and what a malformed reply is answered with."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from fsm_kernel.errors import AgentConnectionError
+from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult, Usage
+from fsm_kernel.testing import ScriptedChatModel, call
+from fsm_kernel.workflow import actions
+from fsm_kernel.workflow.children import CallPool, draw_on
+from fsm_kernel.workflow.context import RunContext, RunServices
+from fsm_kernel.workflow.spec import ContextSpec
+from fsm_kernel.workflow.window import Summary, estimate_tokens
+
+STEP = 0.01234
+"""How far the test clock moves at each reading: every call lasts 12.34 ms, recorded 12.3."""
+LATENCY = 12.3
+USED = Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10)
+
+
+class TickingClock:
+    """A clock whose monotonic time moves on by STEP seconds each time it is read."""
+
+    def __init__(self) -> None:
+        self.mono = 100.0
+
+    def now(self) -> Any:
+        raise AssertionError("actions time their calls with monotonic()")
+
+    def monotonic(self) -> float:
+        self.mono += STEP
+        return self.mono - STEP
+
+
+class Log:
+    """The events a run records, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[EventType, dict[str, Any]]] = []
+
+    def __call__(self, type_: EventType, data: dict[str, Any]) -> None:
+        self.events.append((type_, data))
+
+    def of(self, type_: EventType) -> list[dict[str, Any]]:
+        return [data for t, data in self.events if t is type_]
+
+
+def context(model: Any, log: Log, **values: Any) -> RunContext:
+    services = RunServices(model=model, clock=TickingClock(), record=log)
+    return RunContext(services=services, current_state="work", **values)
+
+
+def run_in(pool: CallPool | None, action: Coroutine[Any, Any, Any]) -> Any:
+    """Run an action in a task drawing on `pool` (as a map's child does)."""
+
+    async def main() -> Any:
+        draw_on(pool)
+        return await action
+
+    return asyncio.run(main())
+
+
+# --- context summaries ---------------------------------------------------------------------
+
+OLDER = [
+    Message.user("Find the café's address."),
+    Message.assistant("", [ToolCall(id="s1", name="search", arguments={"q": "café Zoë"})]),
+    Message.tool(ToolCall(id="s1", name="search"), ToolResult(content="Rue 1")),
+]
+
+
+def test_a_summary_asks_the_model_to_condense_the_older_turns_and_records_its_reply() -> None:
+    model = ScriptedChatModel(
+        [Completion(message=Message.assistant("  Zoë's café is at Rue 1.  "), usage=USED)]
+    )
+    log = Log()
+    window = ContextSpec(max_tokens=4_000, strategy="summarize", keep=1)
+    ctx = context(
+        model, log, context_window=window, iteration=4, context_summary=Summary(2, "Earlier.")
+    )
+    pool = CallPool(10)
+
+    run_in(pool, actions._summarize(ctx, OLDER))
+
+    (request,) = model.requests
+    assert request.tools == ()
+    assert [(m.role.value, m.content) for m in request.messages] == [
+        ("system", actions._SUMMARIZE.format(words=200)),
+        (
+            "user",
+            "Summary so far: Earlier.\n\nuser: Find the café's address.\n\n"
+            'assistant:  [calls search({"q": "café Zoë"})]\n\ntool: Rue 1',
+        ),
+    ]
+    assert "at most 200 words" in request.messages[0].content
+    assert log.of(EventType.MODEL_REQUESTED) == [
+        {"messages": 2, "tools": [], "purpose": "summarize"}
+    ]
+    (responded,) = log.of(EventType.MODEL_RESPONDED)
+    assert (responded["latency_ms"], responded["purpose"]) == (LATENCY, "summarize")
+    assert log.of(EventType.CONTEXT_TRIMMED) == [
+        {
+            "strategy": "summarize",
+            "summarized_messages": 3,
+            "covered_messages": 5,
+            "summary_chars": len("Zoë's café is at Rue 1."),
+        }
+    ]
+    assert log.of(EventType.ITERATION_COMPLETED) == [
+        {
+            "step": 5, "decision": "summarize", "answer": "Zoë's café is at Rue 1.",
+            "tools": [], "error": None, "summary": "", "next_state": "work",
+        }
+    ]  # fmt: skip
+    assert (ctx.iteration, ctx.notes.recorded_iteration) == (5, 5)
+    assert ctx.context_summary == Summary(5, "Zoë's café is at Rue 1.")
+    assert ctx.usage == USED
+    assert (pool.spent, ctx.notes.shared_calls) == (1, 1)  # a map's shared calls pay for it
+
+
+def test_a_first_summary_covers_only_the_turns_it_condensed() -> None:
+    model = ScriptedChatModel(["The user asked for the café."])
+    log = Log()
+    window = ContextSpec(max_tokens=4_000, strategy="summarize", keep=1)
+    ctx = context(model, log, context_window=window)
+
+    run_in(None, actions._summarize(ctx, OLDER[:1]))
+
+    assert model.requests[0].messages[1].content == "user: Find the café's address."
+    assert ctx.context_summary == Summary(1, "The user asked for the café.")
+    assert ctx.notes.shared_calls is None  # no map: nothing drawn
+
+
+def test_a_summary_request_too_long_for_the_window_is_cut_to_fit_it() -> None:
+    model = ScriptedChatModel(["Short."])
+    log = Log()
+    window = ContextSpec(max_tokens=256, strategy="summarize", keep=1)
+    ctx = context(model, log, context_window=window)
+    older = [Message.user("word " * 2_000)]
+
+    run_in(None, actions._summarize(ctx, older))
+
+    sent = model.requests[0].messages
+    assert estimate_tokens(sent) <= 256 < estimate_tokens([*sent[:1], Message.user("word " * 2_000)])
+
+
+def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> None:
+    failure = AgentConnectionError("server down")
+    model = ScriptedChatModel([failure])
+    log = Log()
+    window = ContextSpec(max_tokens=4_000, strategy="summarize", keep=1)
+    ctx = context(model, log, context_window=window)
+
+    with pytest.raises(AgentConnectionError):
+        run_in(None, actions._summarize(ctx, OLDER))
+
+    assert log.of(EventType.MODEL_FAILED) == [
+        {"error": failure.to_dict(), "purpose": "summarize"}
+    ]
+    assert log.of(EventType.MODEL_RESPONDED) == []
