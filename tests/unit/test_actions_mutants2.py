@@ -73,7 +73,13 @@ def run_in(pool: CallPool | None, action: Coroutine[Any, Any, Any]) -> Any:
 
 OLDER = [
     Message.user("Find the café's address."),
-    Message.assistant("", [ToolCall(id="s1", name="search", arguments={"q": "café Zoë"})]),
+    Message.assistant(
+        "",
+        [
+            ToolCall(id="s1", name="search", arguments={"q": "café Zoë"}),
+            ToolCall(id="o1", name="open", arguments={"n": 2}),
+        ],
+    ),
     Message.tool(ToolCall(id="s1", name="search"), ToolResult(content="Rue 1")),
 ]
 
@@ -98,7 +104,8 @@ def test_a_summary_asks_the_model_to_condense_the_older_turns_and_records_its_re
         (
             "user",
             "Summary so far: Earlier.\n\nuser: Find the café's address.\n\n"
-            'assistant:  [calls search({"q": "café Zoë"})]\n\ntool: Rue 1',
+            'assistant:  [calls search({"q": "café Zoë"})] [calls open({"n": 2})]\n\n'
+            "tool: Rue 1",
         ),
     ]
     assert "at most 200 words" in request.messages[0].content
@@ -167,3 +174,103 @@ def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> N
         {"error": failure.to_dict(), "purpose": "summarize"}
     ]
     assert log.of(EventType.MODEL_RESPONDED) == []
+
+
+# --- parallel tool calls -------------------------------------------------------------------
+
+
+class Tools:
+    """Tools answering at once with their call's arguments; "hang" waits until cancelled and
+    "crash" raises (a tool executor failing for good)."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+        self.cancelled: list[str] = []
+
+    def list_tools(self, names: Any = None) -> list[Any]:
+        return []
+
+    async def execute(self, call: ToolCall) -> ToolResult:
+        self.ran.append(call.id)
+        if call.name == "hang":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(call.id)
+                raise
+        if call.name == "crash":
+            await asyncio.sleep(0)  # the other calls have started by now
+            raise RuntimeError("the tool server went away")
+        return ToolResult(content=f"{call.name} {call.arguments}")
+
+
+def batch(*calls: ToolCall) -> Completion:
+    return Completion(message=Message.assistant("", calls))
+
+
+def test_a_call_rejected_in_a_parallel_batch_does_not_run_and_the_others_are_timed() -> None:
+    from fsm_kernel.testing import ScriptedHuman
+    from fsm_kernel.workflow.human import HumanAnswer
+
+    deploy = ToolCall(id="d1", name="deploy", arguments={"env": "prod"})
+    a, b = ToolCall(id="a1", name="read", arguments={"n": 1}), ToolCall(id="b1", name="list")
+    tools, log = Tools(), Log()
+    services = RunServices(
+        tools=tools, clock=TickingClock(), record=log, human=ScriptedHuman([HumanAnswer.reject()])
+    )
+    ctx = RunContext(
+        services=services,
+        current_state="act",
+        parallel_tool_calls=True,
+        approval_required=frozenset({"deploy"}),
+        iteration=3,
+        last_completion=batch(a, deploy, b),
+    )
+
+    asyncio.run(actions.tools_execute(ctx))
+
+    assert tools.ran == ["a1", "b1"]
+    refused = ToolResult(
+        content="rejected by the user: no reason given", is_error=True, error_type="Rejected"
+    )
+    assert log.of(EventType.TOOL_FINISHED) == [
+        {"call": a.to_dict(), "result": {"content": "read {'n': 1}", "is_error": False},
+         "duration_ms": LATENCY},
+        {"call": b.to_dict(), "result": {"content": "list {}", "is_error": False},
+         "duration_ms": LATENCY},
+        {"call": deploy.to_dict(), "result": refused.to_dict(), "duration_ms": 0.0},
+    ]  # fmt: skip
+    assert [(r.iteration, r.call.id, r.result.content, r.duration_ms) for r in ctx.tool_calls] == [
+        (3, "a1", "read {'n': 1}", LATENCY),
+        (3, "d1", refused.content, 0.0),
+        (3, "b1", "list {}", LATENCY),
+    ]
+    assert ctx.last_results == ctx.tool_calls
+    sent = ctx.session.messages()
+    assert [(m.tool_call_id, m.content) for m in sent] == [
+        ("a1", "read {'n': 1}"),
+        ("d1", refused.content),
+        ("b1", "list {}"),
+    ]
+    assert ctx.failure_streak == 0  # a person's no is not a failing tool
+
+
+def test_a_parallel_call_that_fails_for_good_cancels_the_others_before_the_error_is_raised() -> (
+    None
+):
+    tools, log = Tools(), Log()
+    services = RunServices(tools=tools, clock=TickingClock(), record=log)
+    calls = (ToolCall(id="h1", name="hang"), ToolCall(id="x1", name="crash"))
+    ctx = RunContext(
+        services=services, current_state="act", parallel_tool_calls=True, last_completion=batch(*calls)
+    )
+
+    async def main() -> list[str]:
+        with pytest.raises(RuntimeError, match="the tool server went away"):
+            await actions.tools_execute(ctx)
+        return list(tools.cancelled)  # before the loop runs anything else
+
+    assert asyncio.run(main()) == ["h1"]
+    assert [e["call"]["id"] for e in log.of(EventType.TOOL_STARTED)] == ["h1", "x1"]
+    assert log.of(EventType.TOOL_FINISHED) == []
+    assert ctx.tool_calls == []
