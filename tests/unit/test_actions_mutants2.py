@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from fsm_kernel.errors import AgentConnectionError
+from fsm_kernel.errors import AgentConnectionError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult, Usage
 from fsm_kernel.testing import ScriptedChatModel, call
 from fsm_kernel.workflow import actions
 from fsm_kernel.workflow.children import CallPool, draw_on
 from fsm_kernel.workflow.context import RunContext, RunServices
-from fsm_kernel.workflow.spec import ContextSpec
+from fsm_kernel.workflow.decide import Choice
+from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 from fsm_kernel.workflow.window import Summary, estimate_tokens
 
 STEP = 0.01234
@@ -274,3 +275,112 @@ def test_a_parallel_call_that_fails_for_good_cancels_the_others_before_the_error
     assert [e["call"]["id"] for e in log.of(EventType.TOOL_STARTED)] == ["h1", "x1"]
     assert log.of(EventType.TOOL_FINISHED) == []
     assert ctx.tool_calls == []
+
+
+# --- agent.decide --------------------------------------------------------------------------
+
+LOOK, WRITE = "look it up", "write the answer"
+
+
+def pick(choice: str, id: str) -> Completion:
+    return call("choose", {"choice": choice}, id=id)
+
+
+def deciding(model: Any, log: Log, *, prompt: str | None = "What next?", **values: Any) -> RunContext:
+    """A context in the agent.decide state `route`, whose two choices are both legal."""
+    choices = [
+        Choice(index=0, text=LOOK, target="research", holds=lambda ctx: True),
+        Choice(index=1, text=WRITE, target="write", holds=lambda ctx: True),
+    ]
+    services = RunServices(model=model, clock=TickingClock(), record=log)
+    values.setdefault("choices", {"route": choices})
+    values.setdefault("limits", Limits(max_malformed_outputs=3))
+    return RunContext(
+        services=services,
+        current_state="route",
+        state_spec=StateSpec(action="agent.decide", prompt=prompt),
+        **values,
+    )
+
+
+def test_agent_decide_asks_again_after_an_illegal_pick_charging_a_maps_shared_calls() -> None:
+    model = ScriptedChatModel([pick("dance", "c1"), pick(LOOK, "c2")])
+    log = Log()
+    ctx = deciding(model, log, malformed_streak=0)
+    pool = CallPool(10)
+
+    run_in(pool, actions.agent_decide(ctx))
+
+    assert (ctx.choice, ctx.iteration, ctx.malformed_streak, ctx.malformed_reason) == (
+        LOOK, 2, 0, None
+    )  # fmt: skip
+    assert (pool.spent, ctx.notes.shared_calls) == (1, 1)  # the kernel took the first call
+    assert [e["latency_ms"] for e in log.of(EventType.MODEL_RESPONDED)] == [LATENCY, LATENCY]
+    assert [r["next_state"] for r in log.of(EventType.ITERATION_COMPLETED)] == ["route", "research"]
+    assert ctx.notes.recorded_iteration == 2
+
+
+def test_agent_decide_gives_up_unpicked_after_max_malformed_outputs_in_a_row() -> None:
+    model = ScriptedChatModel([pick("dance", "c1"), "I would look.", pick("sing", "c3")])
+    log = Log()
+    ctx = deciding(model, log)
+
+    run_in(None, actions.agent_decide(ctx))
+
+    assert (ctx.choice, ctx.iteration, ctx.malformed_streak) == (None, 3, 3)
+    assert model.remaining == 0
+
+
+def test_a_retried_agent_decide_repeats_neither_its_prompt_nor_its_iteration() -> None:
+    model = ScriptedChatModel([pick("dance", "c1"), pick(WRITE, "c2")])
+    log = Log()
+    ctx = deciding(model, log, attempt=2, iteration=4)
+    ctx.session.add(Message.user("Capital of France?"))
+
+    run_in(None, actions.agent_decide(ctx))
+
+    assert log.of(EventType.MESSAGE_ADDED)[0]["message"]["role"] == "tool"  # no prompt again
+    assert log.of(EventType.MODEL_REQUESTED) == [
+        {"messages": 1, "tools": ["choose"], "choices": [LOOK, WRITE], "attempt": 2},
+        {"messages": 3, "tools": ["choose"], "choices": [LOOK, WRITE]},  # a new iteration
+    ]
+    assert (ctx.iteration, ctx.choice) == (5, WRITE)
+
+
+def test_agent_decide_in_a_state_without_a_prompt_adds_no_message() -> None:
+    model = ScriptedChatModel([pick(LOOK, "c1")])
+    log = Log()
+    ctx = deciding(model, log, prompt=None)
+    ctx.session.add(Message.user("Capital of France?"))
+
+    run_in(None, actions.agent_decide(ctx))
+
+    assert [m.content for m in model.requests[0].messages] == ["Capital of France?"]
+
+
+def test_agent_decide_with_no_choices_declared_asks_nothing_and_clears_the_last_pick() -> None:
+    model = ScriptedChatModel([])
+    ctx = deciding(model, Log(), choices={}, choice=LOOK)
+
+    run_in(None, actions.agent_decide(ctx))
+
+    assert (ctx.choice, ctx.offered_choices, model.requests) == (None, (), [])
+
+
+def test_a_model_failure_during_a_pick_is_recorded_and_raised() -> None:
+    failure = AgentConnectionError("server down")
+    log = Log()
+    ctx = deciding(ScriptedChatModel([failure]), log)
+
+    with pytest.raises(AgentConnectionError):
+        run_in(None, actions.agent_decide(ctx))
+
+    assert log.of(EventType.MODEL_FAILED) == [{"error": failure.to_dict()}]
+    assert log.of(EventType.MODEL_RESPONDED) == []
+
+
+def test_agent_decide_without_a_model_says_it_needs_one() -> None:
+    ctx = deciding(None, Log())
+    with pytest.raises(FsmKernelError) as raised:
+        run_in(None, actions.agent_decide(ctx))
+    assert str(raised.value) == "agent.decide needs a model, but the run has none"
