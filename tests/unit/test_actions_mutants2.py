@@ -14,11 +14,13 @@ import pytest
 
 from fsm_kernel.errors import AgentConnectionError, FsmKernelError
 from fsm_kernel.protocol import Completion, EventType, Message, ToolCall, ToolResult, Usage
-from fsm_kernel.testing import ScriptedChatModel, call
+from fsm_kernel.testing import ScriptedChatModel, ScriptedHuman, as_completion, call
 from fsm_kernel.workflow import actions
 from fsm_kernel.workflow.children import CallPool, draw_on
 from fsm_kernel.workflow.context import RunContext, RunServices
 from fsm_kernel.workflow.decide import Choice
+from fsm_kernel.workflow.human import HumanAnswer
+from fsm_kernel.workflow.output import OutputSchema
 from fsm_kernel.workflow.spec import ContextSpec, Limits, StateSpec
 from fsm_kernel.workflow.window import Summary, estimate_tokens
 
@@ -210,9 +212,6 @@ def batch(*calls: ToolCall) -> Completion:
 
 
 def test_a_call_rejected_in_a_parallel_batch_does_not_run_and_the_others_are_timed() -> None:
-    from fsm_kernel.testing import ScriptedHuman
-    from fsm_kernel.workflow.human import HumanAnswer
-
     deploy = ToolCall(id="d1", name="deploy", arguments={"env": "prod"})
     a, b = ToolCall(id="a1", name="read", arguments={"n": 1}), ToolCall(id="b1", name="list")
     tools, log = Tools(), Log()
@@ -384,3 +383,56 @@ def test_agent_decide_without_a_model_says_it_needs_one() -> None:
     with pytest.raises(FsmKernelError) as raised:
         run_in(None, actions.agent_decide(ctx))
     assert str(raised.value) == "agent.decide needs a model, but the run has none"
+
+
+# --- malformed replies and human input -----------------------------------------------------
+
+
+def test_a_call_of_a_tool_not_offered_is_answered_with_why_and_recorded_as_malformed() -> None:
+    log = Log()
+    ctx = context(None, log, iteration=2)
+    reply = call("deploy", {"env": "prod"}, id="d1")
+
+    actions.apply_completion(ctx, reply, {"read_file"}, None)
+
+    (finished,) = log.of(EventType.TOOL_FINISHED)
+    assert finished == {
+        "call": reply.message.tool_calls[0].to_dict(),
+        "result": {
+            "content": "error: your reply was not executed: tool 'deploy' was not offered "
+            "(offered: read_file). Reply again with valid tool calls, or answer without tools.",
+            "is_error": True,
+            "error_type": "MalformedOutput",
+        },
+        "duration_ms": 0.0,
+        "malformed": True,
+    }
+    assert [(r.iteration, r.duration_ms) for r in ctx.tool_calls] == [(2, 0.0)]
+    assert ctx.malformed_streak == 1
+
+
+def test_a_reply_failing_the_output_schema_is_shown_the_schema_as_written() -> None:
+    log = Log()
+    schema = OutputSchema.resolve(
+        {"type": "object", "properties": {"café": {"type": "string"}}, "required": ["café"]}
+    )
+    ctx = context(None, log, outputs={"work": schema})
+    reply = as_completion("not JSON")
+
+    actions.apply_completion(ctx, reply, set(), schema.check_reply(reply))
+
+    (added,) = log.of(EventType.MESSAGE_ADDED)
+    assert added["message"]["content"].endswith(
+        '\n{"type": "object", "properties": {"café": {"type": "string"}}, "required": ["café"]}'
+    )
+
+
+def test_human_input_without_a_prompt_asks_for_your_input() -> None:
+    human = ScriptedHuman([HumanAnswer.input("Paris")])
+    services = RunServices(human=human, record=Log())
+    ctx = RunContext(services=services, current_state="ask", state_spec=StateSpec())
+
+    asyncio.run(actions.human_input(ctx))
+
+    assert [(q.kind, q.state, q.prompt) for q in human.questions] == [("input", "ask", "Your input?")]
+    assert [m.content for m in ctx.session.messages()] == ["Paris"]
