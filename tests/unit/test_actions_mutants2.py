@@ -183,8 +183,8 @@ def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> N
 
 
 class Tools:
-    """Tools answering at once with their call's arguments; "hang" waits until cancelled and
-    "crash" raises (a tool executor failing for good)."""
+    """Tools answering at once with their call's arguments; "hang" waits until cancelled (and
+    takes a turn of the loop to clean up) and "crash" raises (a tool executor failing for good)."""
 
     def __init__(self) -> None:
         self.ran: list[str] = []
@@ -199,6 +199,7 @@ class Tools:
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
+                await asyncio.sleep(0)  # cleaning up takes a turn of the loop
                 self.cancelled.append(call.id)
                 raise
         if call.name == "crash":
@@ -268,7 +269,7 @@ def test_a_parallel_call_that_fails_for_good_cancels_the_others_before_the_error
     async def main() -> list[str]:
         with pytest.raises(RuntimeError, match="the tool server went away"):
             await actions.tools_execute(ctx)
-        return list(tools.cancelled)  # before the loop runs anything else
+        return list(tools.cancelled)  # the cancelled calls have cleaned up by now
 
     assert asyncio.run(main()) == ["h1"]
     assert [e["call"]["id"] for e in log.of(EventType.TOOL_STARTED)] == ["h1", "x1"]
@@ -436,3 +437,66 @@ def test_human_input_without_a_prompt_asks_for_your_input() -> None:
 
     assert [(q.kind, q.state, q.prompt) for q in human.questions] == [("input", "ask", "Your input?")]
     assert [m.content for m in ctx.session.messages()] == ["Paris"]
+
+
+# --- guards, references and users' code ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reply", "passed"),
+    [
+        ("PASS", True),
+        ("**Passed.** All good.", True),
+        ("Approved: ship it", True),
+        ("PASSX", False),  # only punctuation and emphasis around the first word are ignored
+        ("Passing so far", False),
+        ("", False),
+    ],
+)
+def test_critique_passed_holds_when_the_reply_starts_with_pass_passed_or_approved(
+    reply: str, passed: bool
+) -> None:
+    ctx = RunContext(last_completion=as_completion(reply))
+    assert actions.critique_passed(ctx) is passed
+
+
+def test_a_reference_names_its_module_before_the_first_colon_and_may_name_nested_attributes() -> (
+    None
+):
+    import os.path
+
+    assert actions.resolve_ref("os:path.join") is os.path.join
+    with pytest.raises(actions.RefError) as raised:
+        actions.resolve_ref("json:dumps:x")
+    assert raised.value.message == "module 'json' has no attribute 'dumps:x'"
+
+
+def returns_a_coroutine(ctx: RunContext) -> Coroutine[Any, Any, None]:
+    """A user's plain action that hands back a coroutine: the kernel awaits it."""
+
+    async def later() -> None:
+        ctx.scratch["ran"] = "later"
+
+    return later()
+
+
+def test_a_users_plain_action_that_returns_a_coroutine_has_it_awaited() -> None:
+    action = actions.resolve_action(f"{__name__}:returns_a_coroutine")
+    ctx = RunContext()
+
+    asyncio.run(action(ctx))
+
+    assert ctx.scratch == {"ran": "later"}
+
+
+def test_user_code_without_a_name_runs_on_a_daemon_thread_named_user_code() -> None:
+    import functools
+    import threading
+
+    def where(prefix: str) -> tuple[str, bool]:
+        thread = threading.current_thread()
+        return f"{prefix}{thread.name}", thread.daemon
+
+    unnamed = functools.partial(where, "on ")  # a partial has no __qualname__
+
+    assert asyncio.run(actions.in_thread(unnamed)) == ("on fsm-kernel: user code", True)
