@@ -500,3 +500,38 @@ def test_user_code_without_a_name_runs_on_a_daemon_thread_named_user_code() -> N
     unnamed = functools.partial(where, "on ")  # a partial has no __qualname__
 
     assert asyncio.run(actions.in_thread(unnamed)) == ("on fsm-kernel: user code", True)
+
+
+def test_a_request_is_fitted_to_the_window_by_at_most_four_times_the_estimate() -> None:
+    log = Log()
+    window = ContextSpec(max_tokens=256, strategy="drop_oldest", keep=1)
+    last = Completion(message=Message.assistant("x"), usage=Usage(prompt_tokens=1_000))
+    ctx = context(
+        None,
+        log,
+        context_window=window,
+        system_prompt="You help.",
+        last_completion=last,
+        last_request_estimate=100,  # the server counted ten times the estimate: 4x is used
+    )
+    turns = ["Capital?", "a" * 200, "More.", "b" * 200, "Go on."]
+    for i, text in enumerate(turns):
+        ctx.session.add(Message.user(text) if i % 2 == 0 else Message.assistant(text))
+    estimated = estimate_tokens(ctx.messages_for_model())
+
+    sent = asyncio.run(actions._within_window(ctx, ctx.messages_for_model()))
+
+    assert [m.content for m in sent] == ["You help.", "Capital?", "Go on."]
+    assert log.events == [
+        (
+            EventType.CONTEXT_TRIMMED,
+            {
+                "strategy": "drop_oldest",
+                "estimated_tokens_before": estimated * 4,
+                "estimated_tokens_after": 76,
+                "shortened_tool_results": [],
+                "dropped_messages": 3,
+            },
+        )
+    ]
+    assert ctx.last_request_estimate == estimate_tokens(sent)
