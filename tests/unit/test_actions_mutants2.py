@@ -160,7 +160,9 @@ def test_a_summary_request_too_long_for_the_window_is_cut_to_fit_it() -> None:
     run_in(None, actions._summarize(ctx, older))
 
     sent = model.requests[0].messages
-    assert estimate_tokens(sent) <= 256 < estimate_tokens([*sent[:1], Message.user("word " * 2_000)])
+    assert (
+        estimate_tokens(sent) <= 256 < estimate_tokens([*sent[:1], Message.user("word " * 2_000)])
+    )
 
 
 def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> None:
@@ -173,9 +175,7 @@ def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> N
     with pytest.raises(AgentConnectionError):
         run_in(None, actions._summarize(ctx, OLDER))
 
-    assert log.of(EventType.MODEL_FAILED) == [
-        {"error": failure.to_dict(), "purpose": "summarize"}
-    ]
+    assert log.of(EventType.MODEL_FAILED) == [{"error": failure.to_dict(), "purpose": "summarize"}]
     assert log.of(EventType.MODEL_RESPONDED) == []
 
 
@@ -263,7 +263,10 @@ def test_a_parallel_call_that_fails_for_good_cancels_the_others_before_the_error
     services = RunServices(tools=tools, clock=TickingClock(), record=log)
     calls = (ToolCall(id="h1", name="hang"), ToolCall(id="x1", name="crash"))
     ctx = RunContext(
-        services=services, current_state="act", parallel_tool_calls=True, last_completion=batch(*calls)
+        services=services,
+        current_state="act",
+        parallel_tool_calls=True,
+        last_completion=batch(*calls),
     )
 
     async def main() -> list[str]:
@@ -286,7 +289,9 @@ def pick(choice: str, id: str) -> Completion:
     return call("choose", {"choice": choice}, id=id)
 
 
-def deciding(model: Any, log: Log, *, prompt: str | None = "What next?", **values: Any) -> RunContext:
+def deciding(
+    model: Any, log: Log, *, prompt: str | None = "What next?", **values: Any
+) -> RunContext:
     """A context in the agent.decide state `route`, whose two choices are both legal."""
     choices = [
         Choice(index=0, text=LOOK, target="research", holds=lambda ctx: True),
@@ -435,7 +440,9 @@ def test_human_input_without_a_prompt_asks_for_your_input() -> None:
 
     asyncio.run(actions.human_input(ctx))
 
-    assert [(q.kind, q.state, q.prompt) for q in human.questions] == [("input", "ask", "Your input?")]
+    assert [(q.kind, q.state, q.prompt) for q in human.questions] == [
+        ("input", "ask", "Your input?")
+    ]
     assert [m.content for m in ctx.session.messages()] == ["Paris"]
 
 
