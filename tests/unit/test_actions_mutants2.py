@@ -282,7 +282,7 @@ def test_a_parallel_call_that_fails_for_good_cancels_the_others_before_the_error
 
 # --- agent.decide --------------------------------------------------------------------------
 
-LOOK, WRITE = "look it up", "write the answer"
+LOOK, WRITE = "look it up", "write the résumé"
 
 
 def pick(choice: str, id: str) -> Completion:
@@ -542,3 +542,24 @@ def test_a_request_is_fitted_to_the_window_by_at_most_four_times_the_estimate() 
         )
     ]
     assert ctx.last_request_estimate == estimate_tokens(sent)
+
+
+def test_an_illegal_pick_is_told_every_choice_as_written_and_its_record_keeps_200_chars() -> None:
+    wrong = "z" * 250
+    model = ScriptedChatModel([pick(wrong, "c1"), pick(WRITE, "c2")])
+    log = Log()
+    ctx = deciding(model, log)
+
+    run_in(None, actions.agent_decide(ctx))
+
+    first = log.of(EventType.ITERATION_COMPLETED)[0]
+    assert first["error"].endswith(f'is not one of the offered choices ("{LOOK}", "{WRITE}")')
+    told = (
+        f'error: not accepted: {first["error"]}. Call choose again with one of: "{LOOK}"; "{WRITE}"'
+    )
+    assert model.requests[1].messages[-1].content == told
+    assert first["tools"] == [
+        {"id": "c1", "name": "choose", "input": {"choice": wrong}, "output": told[:200],
+         "is_error": True},
+    ]  # fmt: skip
+    assert len(told) > 200
