@@ -184,7 +184,7 @@ def test_a_summary_the_model_fails_is_recorded_as_a_failed_summarize_call() -> N
 
 class Tools:
     """Tools answering at once with their call's arguments; "hang" waits until cancelled (and
-    takes a turn of the loop to clean up) and "crash" raises (a tool executor failing for good)."""
+    takes a while to clean up) and "crash" raises (a tool executor failing for good)."""
 
     def __init__(self) -> None:
         self.ran: list[str] = []
@@ -199,7 +199,7 @@ class Tools:
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
-                await asyncio.sleep(0)  # cleaning up takes a turn of the loop
+                await asyncio.sleep(0.01)  # cleaning up takes a while
                 self.cancelled.append(call.id)
                 raise
         if call.name == "crash":
