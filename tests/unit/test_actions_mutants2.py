@@ -2,7 +2,9 @@
 RunContext whose model, clock and event log the test holds: what a context summary asks the
 model and records (and that it draws on a map's shared calls); what agent.decide records and
 charges when it asks again, fails or is retried; which calls of a parallel batch run, are
-refused or cancelled, and how long each took; and what a malformed reply is answered with."""
+refused or cancelled, and how long each took; what a malformed reply is answered with; how a
+request is fitted to the window; and the critique_passed guard, references, and the thread a
+user's plain code runs on."""
 
 from __future__ import annotations
 
