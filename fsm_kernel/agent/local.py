@@ -222,13 +222,13 @@ def _import_llama_cpp() -> Any:
             "pip install --force-reinstall --no-cache-dir llama-cpp-python"
         ) from None
     _route_llama_log(llama_cpp)
-    if not _devnull_closer:
-        _devnull_closer.append(atexit.register(_close_devnull))
+    _close_devnull_at_exit()
     return llama_cpp
 
 
-_devnull_closer: list[Callable[[], None]] = []
-"""The exit hook closing llama_cpp's /dev/null files, once registered."""
+@functools.cache  # registered once
+def _close_devnull_at_exit() -> None:
+    atexit.register(_close_devnull)
 
 
 def _close_devnull() -> None:

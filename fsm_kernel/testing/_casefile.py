@@ -233,11 +233,10 @@ def load_test_file(path: str | Path) -> LoadedTests:
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkflowValidationError(f"{p}: cannot read: {exc}") from None
     data, locs = parse_yaml_with_locations(text, str(p))
+    where = locs.get((), SourceLocation(str(p), 1, 1))
     if not isinstance(data, dict):
-        where = locs.get((), SourceLocation(str(p), 1, 1))
         raise WorkflowValidationError("a test file is a mapping: workflow, cases", location=where)
     if "cases" not in data and "states" in data:  # a workflow given where its tests belong
-        where = locs.get((), SourceLocation(str(p), 1, 1))
         raise WorkflowValidationError(
             f"this is a workflow, not a test file (one with 'workflow:' and 'cases:'); "
             f"'fsm-kernel test --generate {p}' writes one for it",
